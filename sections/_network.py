@@ -1,0 +1,146 @@
+"""A network as a chain of named blocks: the unit the engine cuts into sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import tensorflow as tf
+
+LossFn = Callable[[Any, Mapping[str, tf.Tensor]], tf.Tensor]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One named step of a network.
+
+    Args:
+        name: unique name; a ``group/`` prefix (``scale1/block_0``) lets a boundary name a whole group.
+        layer: a Keras layer called as ``layer(h, training=...)``, or ``layer((h, *fields), training=...)``.
+        fields: batch keys handed to the layer beside the running tensor ``h``.
+    """
+
+    name: str
+    layer: Any
+    fields: tuple[str, ...] = ()
+
+    @property
+    def group(self) -> str:
+        return self.name.split("/", 1)[0]
+
+    def __call__(self, h, batch: Mapping[str, tf.Tensor], training: bool):
+        if self.fields:
+            return self.layer((h, *(batch[f] for f in self.fields)), training=training)
+        return self.layer(h, training=training)
+
+
+class Network:
+    """A chain of named blocks, a loss computed on the last block's output, and optional metrics.
+
+    Args:
+        blocks: ``(name, layer)`` or ``(name, layer, fields)`` items, or ``Block``s, in order.
+        loss: ``loss(outputs, batch) -> scalar``; computed inside the last section.
+        inputs: the batch key fed to the first block.
+        metrics: ``{name: fn(outputs, batch) -> scalar}`` reported by evaluation.
+
+    Example:
+        >>> net = Network([("stem", keras.layers.Dense(8)), ("head", keras.layers.Dense(2))],
+        ...               loss=lambda out, batch: tf.reduce_mean(tf.square(out)), inputs="x")
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[Block | tuple],
+        loss: LossFn,
+        inputs: str = "image",
+        metrics: Mapping[str, LossFn] | None = None,
+    ):
+        self.blocks = [b if isinstance(b, Block) else _to_block(b) for b in blocks]
+        if not self.blocks:
+            raise ValueError("Network needs at least one block; got an empty list.")
+        names = [b.name for b in self.blocks]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"Block names must be unique; repeated: {dupes}.")
+        if not callable(loss):
+            raise ValueError(f"loss must be callable as loss(outputs, batch); got {loss!r}.")
+        self.loss = loss
+        self.inputs = inputs
+        self.metrics = dict(metrics or {})
+
+    @property
+    def block_names(self) -> list[str]:
+        return [b.name for b in self.blocks]
+
+    @property
+    def required_keys(self) -> list[str]:
+        """Batch keys the network reads through its blocks (the loss may read more)."""
+        keys = [self.inputs]
+        for b in self.blocks:
+            keys += [f for f in b.fields if f not in keys]
+        return keys
+
+    @property
+    def layers(self) -> list:
+        return [b.layer for b in self.blocks]
+
+    @property
+    def trainable_variables(self) -> list:
+        return _unique(v for layer in self.layers for v in layer.trainable_variables)
+
+    @property
+    def non_trainable_variables(self) -> list:
+        return _unique(v for layer in self.layers for v in layer.non_trainable_variables)
+
+    @property
+    def variables(self) -> list:
+        return self.trainable_variables + self.non_trainable_variables
+
+    def check_batch(self, batch: Mapping[str, Any]) -> None:
+        """Raise a ValueError naming any batch key a block asks for that is missing."""
+        if not isinstance(batch, Mapping):
+            raise ValueError(f"A batch must be a dict of tensors; got {type(batch).__name__}.")
+        missing = [k for k in self.required_keys if k not in batch]
+        if missing:
+            raise ValueError(
+                f"Batch is missing key(s) {missing} needed by the network; batch has {sorted(batch)}."
+            )
+
+    def run_blocks(self, h, batch, training: bool, start: int = 0, stop: int | None = None):
+        """Run blocks ``start..stop-1`` on ``h``."""
+        for block in self.blocks[start:stop]:
+            h = block(h, batch, training)
+        return h
+
+    def forward(self, batch, training: bool):
+        """The whole chain on a batch: the last block's output."""
+        return self.run_blocks(batch[self.inputs], batch, training)
+
+    def build(self, batch) -> None:
+        """Create every layer's variables by one inference call on two examples (no state update)."""
+        self.check_batch(batch)
+        small = tf.nest.map_structure(lambda t: t[:2], dict(batch))
+        self.forward(small, training=False)
+
+
+def _to_block(item) -> Block:
+    if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+        raise ValueError(f"A block is (name, layer) or (name, layer, fields); got {item!r}.")
+    name, layer, *rest = item
+    fields = tuple(rest[0]) if rest else ()
+    if isinstance(rest[0] if rest else (), str):
+        fields = (rest[0],)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"A block name must be a non-empty string; got {name!r}.")
+    if not callable(layer):
+        raise ValueError(f"Block {name!r}: layer must be a callable Keras layer; got {layer!r}.")
+    return Block(name, layer, fields)
+
+
+def _unique(variables) -> list:
+    seen, out = set(), []
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+    return out
