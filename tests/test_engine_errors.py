@@ -1,0 +1,44 @@
+"""Bad input gets one clear ValueError, before anything is trained."""
+
+import keras
+import pytest
+import tensorflow as tf
+
+from sections import Engine
+from engine_nets import hard_network, make_batch
+
+
+def engine(**kw):
+    return Engine(hard_network(), keras.optimizers.Adam(1e-3), **kw)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(sections=["nope"]), r"Unknown section boundary 'nope'; valid boundary names are: \['stem', 'split'"),
+    (dict(sections=["gate", "split"]), "out of order"),
+    (dict(sections=["split", "split/a"]), "same place twice"),
+    (dict(sections=["stem"]), "first block"),
+    (dict(sections=6), r"sections=6: more sections than blocks; this network has 5 blocks"),
+    (dict(sections=0), "sections=0: must be at least 1"),
+    (dict(sections=2.5), "must be an int >= 1"),
+    (dict(sections=3, policy=["store", "recompute"]), "policy has 2 entries"),
+    (dict(policy="cache"), r"Unknown policy 'cache'; allowed: \['recompute', 'store'\]"),
+    (dict(strategy="magic"), "Unknown strategy 'magic'"),
+    (dict(sections="auto"), "needs memory_budget"),
+    (dict(sections="auto", memory_budget="lots"), "memory_budget='lots'"),
+])
+def test_bad_arguments(kw, message):
+    with pytest.raises(ValueError, match=message):
+        engine(**kw)
+
+
+def test_missing_batch_key_trains_nothing():
+    net = hard_network()
+    e = Engine(net, keras.optimizers.Adam(1e-3), sections=2)
+    batch = make_batch()
+    e.build(batch)
+    before = [v.numpy().copy() for v in net.variables]
+    del batch["aux"]
+    with pytest.raises(ValueError, match=r"missing key\(s\) \['aux'\]"):
+        e.train_step(batch)
+    for b, v in zip(before, net.variables):
+        assert (b == v.numpy()).all()

@@ -1,0 +1,76 @@
+"""Forward runs are counted by the compiled code; functions trace once; borders cost what they should."""
+
+import keras
+import pytest
+import tensorflow as tf
+
+from sections import Engine, ReplayMismatchError, Network
+from engine_nets import conv_stack, hard_network, loss_fn, make_batch
+
+
+def test_forward_runs_per_policy():
+    engine = Engine(hard_network(), keras.optimizers.Adam(1e-3), sections=5,
+                    policy=["recompute", "store", "recompute", "store", "recompute"])
+    stats = engine.train_step(make_batch())
+    assert stats["forward_runs"] == [2, 1, 2, 1, 1]
+    assert len(stats["peak_bytes"]) == 5
+
+
+def test_traces_once_over_many_steps():
+    batch = make_batch()
+    engine = Engine(hard_network(), keras.optimizers.Adam(1e-3), sections=3,
+                    policy=["recompute", "store", "recompute"])
+    engine.train_step(batch)
+    first = engine.trace_counts()
+    for seed in range(1, 6):
+        engine.train_step(make_batch(seed=seed))
+    assert engine.trace_counts() == first
+    assert max(first.values()) == 1
+
+
+class UnseededNoise(keras.layers.Layer):
+    def call(self, x, training=None):
+        return x + tf.random.uniform(tf.shape(x))  # stateful and unseeded: not replayable
+
+
+def test_check_mode_names_the_section_that_cannot_replay():
+    net = Network([("a", keras.layers.Dense(4)), ("noise", UnseededNoise()), ("b", keras.layers.Dense(3))],
+                  loss=lambda out, b: tf.reduce_mean(tf.square(out)), inputs="x")
+    batch = {"x": tf.ones((8, 5))}
+    engine = Engine(net, keras.optimizers.SGD(0.1), sections=["b"], check=True)
+    with pytest.raises(ReplayMismatchError, match="section_0"):
+        engine.train_step(batch)
+
+
+def test_describe_lists_the_partition():
+    batch = make_batch(n=32)
+    engine = Engine(hard_network(), keras.optimizers.Adam(1e-3), sections=["split", "head"])
+    engine.build(batch)
+    text = engine.describe()
+    assert "stem" in text and "split/a .. gate" in text and "fused (last)" in text
+    rows = engine.partition_rows()
+    assert [r["n_blocks"] for r in rows] == [1, 3, 1]
+    assert rows[1]["input_border"] == "32x8x8x4"
+    assert rows[2]["input_border"] == "(32x8x8x4, 32)"
+
+
+def test_int_sections_balance_measured_activation_memory():
+    batch = make_batch(n=64, size=16, classes=10)
+    engine = Engine(conv_stack(depth=12), keras.optimizers.Adam(1e-3), sections=4)
+    engine.build(batch)
+    sizes = [len(s.block_names) for s in engine.sections]
+    assert sum(sizes) == 13 and len(sizes) == 4
+    # The head is cheap, so a balanced cut gives it company; no section takes over half the blocks.
+    assert max(sizes) <= 5 and min(s.activation_bytes for s in engine.sections) > 0
+
+
+def test_recompute_peak_is_well_under_whole_graph_peak():
+    batch = make_batch(n=128, size=32, classes=10)
+    peaks = {}
+    for strategy, sections in [("whole", 1), ("sectioned", 4)]:
+        engine = Engine(conv_stack(depth=12, filters=16), keras.optimizers.Adam(1e-3),
+                        sections=sections, strategy=strategy)
+        engine.train_step(batch)
+        peaks[strategy] = engine.train_step(batch)["step_peak_bytes"]
+    print("peak bytes", peaks, "ratio", peaks["sectioned"] / peaks["whole"])
+    assert peaks["sectioned"] < 0.6 * peaks["whole"]
