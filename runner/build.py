@@ -1,0 +1,83 @@
+"""From a checked config to live objects: data, network, optimizer and engine, from a clean Keras state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.errors import ConfigError
+
+
+@dataclass
+class Setup:
+    data: Any
+    engine: Any
+    sections: Any  # the resolved `sections` handed to the engine
+    probe: dict  # one training batch, from its own iterator, used to build the engine
+
+
+def build(cfg: DictConfig) -> Setup:
+    import keras
+    import tensorflow as tf
+
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(cfg.train.seed)
+    if cfg.train.deterministic:
+        tf.config.experimental.enable_op_determinism()
+
+    data = instantiate(cfg.data, "data")
+    model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
+    network = instantiate(model_cfg, "model", **dict(getattr(data, "model_args", {}) or {}))
+    sections = resolve_sections(cfg)
+    check_boundaries(sections, network.block_names)
+    optimizer = instantiate(cfg.optimizer, "optimizer")
+
+    from sections import Engine
+
+    engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
+    probe = next(iter(data.train_batches(cfg.batch, cfg.train.seed)))
+    try:
+        engine = Engine(network, optimizer=optimizer, sections=sections, **engine_args)
+        engine.build(probe)
+    except ValueError as err:
+        raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
+    return Setup(data=data, engine=engine, sections=sections, probe=probe)
+
+
+def resolve_sections(cfg: DictConfig):
+    """Top-level `sections`, else the model's `default_sections`, else 1."""
+    value = cfg.sections if cfg.sections is not None else cfg.model.get("default_sections", 1)
+    return OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
+
+
+def check_boundaries(sections, block_names: list[str]) -> None:
+    """Sections that cannot exist for this network: too many, or boundaries it does not have."""
+    groups = list(dict.fromkeys(name.split("/", 1)[0] for name in block_names))
+    if isinstance(sections, int) and sections > len(block_names):
+        raise ConfigError("sections", sections, f"this model has {len(block_names)} blocks; allowed: 1 to "
+                          f"{len(block_names)}, or boundary names from {', '.join(groups)}")
+    if isinstance(sections, list):
+        unknown = [s for s in sections if s not in block_names and s not in groups]
+        if unknown:
+            example = next((n for n in block_names if "/" in n), block_names[0])
+            raise ConfigError("sections", sections, f"unknown boundary name(s) {', '.join(unknown)}; allowed: "
+                              f"{', '.join(groups)}, or a block name such as {example}")
+
+
+def instantiate(node: DictConfig, group: str, **kwargs):
+    """`hydra.utils.instantiate`, with a failure reported as a ConfigError naming the group."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else str(err).splitlines()[0]
+        raise ConfigError(f"{group}._target_", node.get("_target_"), f"cannot build it: {why}") from err
+
+
+def _brief(args: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in args.items())

@@ -1,0 +1,56 @@
+"""Errors the runner reports as one short line, and how a run exits on them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+class RunnerError(Exception):
+    """A failure reported as one line, without a traceback (unless HYDRA_FULL_ERROR=1)."""
+
+    exit_code = 1
+
+
+class ConfigError(RunnerError):
+    """A config value that cannot work: names the key, the value and what is allowed."""
+
+    exit_code = 2
+
+    def __init__(self, key: str, value, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={_show(value)}: {allowed}")
+
+
+class NonFiniteLoss(RunnerError):
+    """The training loss became NaN or Inf."""
+
+    exit_code = 3
+
+
+class Interrupted(RunnerError):
+    """Ctrl-C: state was saved and the run stops."""
+
+    exit_code = 130
+
+
+def full_errors() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR", "") not in ("", "0")
+
+
+def report(err: BaseException) -> None:
+    """Write `error: <message>` to stderr and to the run's log file (not to the console log)."""
+    msg = f"error: {err}" if not isinstance(err, Interrupted) else str(err)
+    record = logging.LogRecord("runner", logging.ERROR, __file__, 0, msg, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+    sys.stdout.flush()
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _show(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return "null" if value is None else str(value)

@@ -1,0 +1,60 @@
+"""How a job ends: its value, or one short error line and an exit code; a failed sweep job lets the sweep go on."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from runner.callbacks import JOB_STATUS
+from runner.errors import Interrupted, RunnerError, full_errors, report
+
+log = logging.getLogger("runner")
+
+
+def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
+    """Run `job(cfg, output_dir)`. In a sweep, a failure is recorded in the job folder and returns NaN."""
+    hc = HydraConfig.get()
+    out = Path(hc.runtime.output_dir)
+    sweep = hc.mode == RunMode.MULTIRUN
+    status = {"overrides": list(hc.overrides.task)}
+    try:
+        value = job(cfg, out)
+    except Interrupted as err:
+        report(err)
+        _write(out, sweep, status | {"status": "interrupted", "error": str(err)})
+        sys.exit(err.exit_code)
+    except RunnerError as err:
+        if full_errors():
+            raise
+        report(err)
+        _write(out, sweep, status | {"status": "failed", "error": str(err)})
+        if sweep:
+            return float("nan")
+        sys.exit(err.exit_code)
+    except Exception as err:
+        if not sweep:
+            raise
+        log.exception("job failed")
+        (out / "error.txt").write_text(traceback.format_exc())
+        _write(out, sweep, status | {"status": "failed", "error": f"{type(err).__name__}: {err} (see error.txt)"})
+        return float("nan")
+    _write(out, sweep, status | {"status": "completed", "value": value, "metric": cfg_metric(out)})
+    return value
+
+
+def cfg_metric(out: Path) -> str:
+    metrics = out / "metrics.json"
+    return json.loads(metrics.read_text()).get("metric", "value") if metrics.is_file() else "value"
+
+
+def _write(out: Path, sweep: bool, status: dict) -> None:
+    if sweep:
+        (out / JOB_STATUS).write_text(json.dumps(status, indent=1))

@@ -1,0 +1,43 @@
+"""Step progress: a tqdm bar on a terminal, plain log lines otherwise."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import ExitStack
+
+log = logging.getLogger("runner")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+class Progress:
+    """`mode`: bar, log, or auto (a bar when stderr is a terminal)."""
+
+    def __init__(self, total: int, start: int, mode: str, log_every: int):
+        self.total, self.log_every = total, log_every
+        self.bar = None
+        self._stack = ExitStack()
+        if mode == "bar" or (mode == "auto" and sys.stderr.isatty()):
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._stack.enter_context(logging_redirect_tqdm())
+            self.bar = self._stack.enter_context(tqdm(total=total, initial=start, unit="step", dynamic_ncols=True))
+
+    def update(self, step: int, loss: float, examples_per_second: float, peak_bytes: int) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{examples_per_second:.0f}", peak=human_bytes(peak_bytes),
+                                 refresh=False)
+            self.bar.update(1)
+        elif step % self.log_every == 0 or step == self.total:
+            log.info(f"step {step}/{self.total}  loss {loss:.4f}  {examples_per_second:.0f} ex/s  "
+                     f"peak {human_bytes(peak_bytes)}")
+
+    def close(self) -> None:
+        self._stack.close()
