@@ -1,0 +1,10 @@
+"""Data sources: each builder returns an object with ``name``, ``model_args``, ``metric``,
+``train_batches(batch_size, seed)`` and ``eval_batches(batch_size)`` (see docs/CONTRACTS.md)."""
+
+from ._source import ImageSource
+from .digits import digits
+from .mnist import mnist
+from .sequences import SequenceSource, sequences
+from .synthetic import synthetic
+
+__all__ = ["digits", "mnist", "synthetic", "sequences", "ImageSource", "SequenceSource"]

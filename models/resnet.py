@@ -1,0 +1,136 @@
+"""The partialflow notebook's pre-activation ResNet as named blocks: ``initial_conv``, ``scale{i}/block_{j}``, ``final_pool``."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import keras
+import tensorflow as tf
+
+from sections import Network
+
+from ._util import SeedStream, check_image_shape, check_int, check_ints, check_rate, serializable
+from .losses import classification_accuracy, classification_loss
+
+
+def _conv(filters: int, size: int, stride: int, seed: int) -> keras.layers.Conv2D:
+    return keras.layers.Conv2D(filters, size, strides=stride, padding="same", use_bias=False,
+                               kernel_initializer=keras.initializers.HeNormal(seed=seed))
+
+
+@serializable
+class ConvBNReLU(keras.layers.Layer):
+    """A 3x3 convolution, batch norm and ReLU: the notebook's ``initial_conv``."""
+
+    def __init__(self, filters: int, bn_momentum: float = 0.9, seed: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.filters, self.bn_momentum, self.seed = filters, bn_momentum, seed
+        self.conv = _conv(filters, 3, 1, seed)
+        self.bn = keras.layers.BatchNormalization(momentum=bn_momentum)
+
+    def build(self, input_shape):
+        self.conv.build(input_shape)
+        self.bn.build(self.conv.compute_output_shape(input_shape))
+
+    def call(self, x, training=False):
+        return tf.nn.relu(self.bn(self.conv(x), training=training))
+
+    def get_config(self):
+        return {**super().get_config(), "filters": self.filters, "bn_momentum": self.bn_momentum, "seed": self.seed}
+
+
+@serializable
+class PreActBlock(keras.layers.Layer):
+    """BN, ReLU, 3x3 conv, BN, ReLU, (dropout), 3x3 conv, plus the identity or a strided 1x1 projection."""
+
+    def __init__(self, filters: int, stride: int = 1, dropout: float = 0.0, bn_momentum: float = 0.9,
+                 seed: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.filters, self.stride, self.dropout, self.bn_momentum, self.seed = (
+            filters, stride, dropout, bn_momentum, seed)
+        self.bn1 = keras.layers.BatchNormalization(momentum=bn_momentum)
+        self.conv1 = _conv(filters, 3, stride, seed)
+        self.bn2 = keras.layers.BatchNormalization(momentum=bn_momentum)
+        self.drop = keras.layers.Dropout(dropout, seed=seed + 1) if dropout > 0 else None
+        self.conv2 = _conv(filters, 3, 1, seed + 2)
+        self.projection = None
+
+    def build(self, input_shape):
+        self.bn1.build(input_shape)
+        self.conv1.build(input_shape)
+        mid = self.conv1.compute_output_shape(input_shape)
+        self.bn2.build(mid)
+        self.conv2.build(mid)
+        if self.stride != 1 or input_shape[-1] != self.filters:
+            self.projection = _conv(self.filters, 1, self.stride, self.seed + 3)
+            self.projection.build(input_shape)
+
+    def call(self, x, training=False):
+        a = tf.nn.relu(self.bn1(x, training=training))
+        shortcut = x if self.projection is None else self.projection(a)
+        r = tf.nn.relu(self.bn2(self.conv1(a), training=training))
+        if self.drop is not None:
+            r = self.drop(r, training=training)
+        return self.conv2(r) + shortcut
+
+    def get_config(self):
+        return {**super().get_config(), "filters": self.filters, "stride": self.stride, "dropout": self.dropout,
+                "bn_momentum": self.bn_momentum, "seed": self.seed}
+
+
+@serializable
+class PoolDense(keras.layers.Layer):
+    """Global average pooling and a dense layer to the class logits: the notebook's ``final_pool``."""
+
+    def __init__(self, num_classes: int, seed: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.num_classes, self.seed = num_classes, seed
+        self.dense = keras.layers.Dense(num_classes, kernel_initializer=keras.initializers.GlorotUniform(seed=seed))
+
+    def build(self, input_shape):
+        self.dense.build((input_shape[0], input_shape[-1]))
+
+    def call(self, x, training=False):
+        return self.dense(tf.reduce_mean(x, axis=[1, 2]))
+
+    def get_config(self):
+        return {**super().get_config(), "num_classes": self.num_classes, "seed": self.seed}
+
+
+def build_resnet(
+    num_classes: int = 10,
+    input_shape: Sequence[int] | None = None,
+    widths: Sequence[int] = (16, 32, 64),
+    depths: Sequence[int] = (3, 3, 5),
+    dropout: float = 0.0,
+    bn_momentum: float = 0.9,
+    seed: int = 0,
+) -> Network:
+    """The notebook's ResNet; scale ``i > 0`` starts with a stride-2 block to ``widths[i]`` filters.
+
+    Args:
+        num_classes: classes of the softmax (from the data).
+        input_shape: (height, width, channels) of the images (from the data); checked, not needed.
+        widths: filters per scale; ``initial_conv`` uses ``widths[0]``.
+        depths: residual blocks per scale, the strided first block included.
+        dropout: rate between the two convolutions of every block (0 turns it off).
+        bn_momentum: batch-norm moving-average momentum.
+        seed: makes initial weights and dropout reproducible.
+    """
+    num_classes = check_int("num_classes", num_classes, minimum=2)
+    check_image_shape(input_shape)
+    widths, depths = check_ints("widths", widths), check_ints("depths", depths)
+    if len(widths) != len(depths):
+        raise ValueError(f"widths={widths} and depths={depths} must have one entry per scale (same length).")
+    dropout = check_rate("dropout", dropout)
+    seeds = SeedStream(seed)
+    blocks = [("initial_conv", ConvBNReLU(widths[0], bn_momentum, seeds(), name="initial_conv"))]
+    for i, (width, depth) in enumerate(zip(widths, depths)):
+        for j in range(depth):
+            name = f"scale{i}/block_{j}"
+            stride = 2 if i > 0 and j == 0 else 1
+            layer = PreActBlock(width, stride, dropout, bn_momentum, seeds(), name=name.replace("/", "_"))
+            blocks.append((name, layer))
+    blocks.append(("final_pool", PoolDense(num_classes, seeds(), name="final_pool")))
+    return Network(blocks, loss=classification_loss(), inputs="image",
+                   metrics={"accuracy": classification_accuracy()})
