@@ -11,7 +11,7 @@ from ._compile import SectionFunctions
 from ._memory import MemoryMeter
 from ._network import Network
 from ._peers import PeerStep
-from ._profile import profile_blocks
+from ._profile import profile_blocks, section_activation_bytes
 from ._structure import nbytes
 
 STRATEGIES = ("sectioned", "whole", "recompute_grad")
@@ -121,15 +121,22 @@ class Engine:
         self._built = True
 
     def _choose_partition(self, batch):
-        costs = [p.activation_bytes for p in self.profiles]
+        costs = [p.kept_bytes for p in self.profiles]
         if self._sections_arg == "auto":
             from ._planner import plan_partition
 
-            self.plan = plan_partition(self.profiles, self._input_bytes(), self.memory_budget)
+            self.plan = plan_partition(self.profiles, self._input_bytes(), self.memory_budget,
+                                       base_bytes=self._base_bytes(batch))
             return self.plan.starts, self.plan.policies
         if self._starts is not None:
             return self._starts, self._policies
         return part.balanced_starts(costs, self._sections_arg), self._policies
+
+    def _base_bytes(self, batch) -> int:
+        """Memory alive through a whole step: variables, optimizer slots (built next) and the batch."""
+        variables = sum(nbytes(v) for v in self.network.variables)
+        slots = 2 * sum(nbytes(v) for v in self.network.trainable_variables)
+        return variables + slots + nbytes(batch)
 
     def _input_bytes(self) -> int:
         return nbytes(self._input_specs)
@@ -149,7 +156,7 @@ class Engine:
                 index=k, start=lo, stop=hi, block_names=[b.name for b in blocks[lo:hi]],
                 policy=policies[k], variables=trainable, state_variables=state,
                 input_bytes=nbytes(in_specs), input_specs=in_specs,
-                activation_bytes=sum(p.activation_bytes for p in self.profiles[lo:hi]),
+                activation_bytes=section_activation_bytes(self.profiles[lo:hi]),
             ))
 
     # ------------------------------------------------------------------ the step
@@ -176,6 +183,7 @@ class Engine:
             else:
                 out, snapshots[k] = fns[k].forward(borders[k], batch)
             borders.append(out)
+        del out  # the borders list is the only owner, so a border dies right after its section's backward
         peaks = [0] * len(self.sections)
         step_peak = meter.peak()
 

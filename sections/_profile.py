@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import keras
@@ -16,8 +17,21 @@ class BlockProfile:
     name: str
     output_specs: object  # nested TensorSpecs at the real batch
     output_bytes: int      # at the real batch
-    activation_bytes: int  # measured training memory of the block alone, scaled to the real batch
-    measured: bool         # False when the allocator keeps no statistics (estimate = 2x output bytes)
+    kept_bytes: int        # held by the tape after the block's forward (what a chain of blocks accumulates)
+    transient_bytes: int   # extra memory while its gradient runs (buffers freed before the next block)
+    measured: bool         # False when the allocator keeps no statistics (estimates from output bytes)
+    forward_seconds: float  # one forward at the probe batch, scaled to the real batch (the re-run cost)
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.kept_bytes + self.transient_bytes
+
+
+def section_activation_bytes(profiles) -> int:
+    """Training memory of consecutive blocks run as one section: all kept bytes plus the largest transient."""
+    if not profiles:
+        return 0
+    return sum(p.kept_bytes for p in profiles) + max(p.transient_bytes for p in profiles)
 
 
 def _real_specs(structure, batch: int):
@@ -39,12 +53,17 @@ def profile_blocks(network, batch, meter: MemoryMeter, probe_batch: int = 32) ->
     h = small[network.inputs]
     with keras.StatelessScope(state_mapping=mapping):
         for block in network.blocks:
+            block(h, small, training=True)  # warm-up: first eager call pays kernel setup
+            t0 = time.perf_counter()
+            block(h, small, training=True)
+            seconds = (time.perf_counter() - t0) * scale
             meter.reset()
             base = meter.current()
             with tf.GradientTape() as tape:
                 xs = float_leaves(h)
                 tape.watch(xs)
                 out = block(h, small, training=True)
+            kept = meter.current() - base
             ys = float_leaves(out)
             variables = list(block.layer.trainable_variables)
             if ys and (xs or variables):
@@ -56,8 +75,10 @@ def profile_blocks(network, batch, meter: MemoryMeter, probe_batch: int = 32) ->
                 name=block.name,
                 output_specs=_real_specs(out, real),
                 output_bytes=out_bytes,
-                activation_bytes=int(used * scale) if measured else 2 * out_bytes,
+                kept_bytes=int(kept * scale) if measured else out_bytes,
+                transient_bytes=int(max(used - kept, 0) * scale) if measured else out_bytes,
                 measured=measured,
+                forward_seconds=seconds,
             ))
             h = out
             del tape

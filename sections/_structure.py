@@ -14,10 +14,10 @@ def nbytes(structure) -> int:
     """Bytes held by the tensors (or TensorSpecs) of a nested structure; unknown dims count as 0."""
     total = 0
     for t in tf.nest.flatten(structure):
-        shape = t.shape
+        shape = tf.TensorShape(t.shape)
         if shape.rank is None or None in shape.as_list():
             continue
-        total += shape.num_elements() * t.dtype.size
+        total += shape.num_elements() * tf.as_dtype(t.dtype).size
     return total
 
 
