@@ -100,3 +100,18 @@ def test_evaluate_changes_no_state():
     assert set(values) == {"loss", "accuracy"} and np.isfinite(values["loss"])
     for b, v in zip(before, net.variables):
         np.testing.assert_array_equal(b, v.numpy())
+
+
+@pytest.mark.parametrize("strategy,exact", [("sectioned", True), ("whole", True), ("recompute_grad", False)])
+def test_compare_with_whole_reports_exactness_and_restores_state(strategy, exact):
+    from sections import compare_with_whole
+
+    batch = make_batch()
+    net = hard_network()
+    engine = Engine(net, keras.optimizers.Adam(1e-2), sections=["split", "gate"], strategy=strategy)
+    engine.train_step(batch)
+    before = [v.numpy().copy() for v in net.variables + list(engine.optimizer.variables)]
+    report = compare_with_whole(engine, batch, examples=8)
+    assert report["exact"] is exact, report
+    for b, v in zip(before, net.variables + list(engine.optimizer.variables)):
+        np.testing.assert_array_equal(b, v.numpy())
