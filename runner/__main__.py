@@ -1,10 +1,20 @@
 """`python -m runner [overrides]`: see `runner.app`."""
 
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from runner.app import main  # noqa: E402
+from runner.app import CONF, main  # noqa: E402
+from runner.errors import ConfigError, full_errors  # noqa: E402
+from runner.overrides import check_overrides  # noqa: E402
 
 if __name__ == "__main__":
+    try:
+        check_overrides(sys.argv[1:], CONF)
+    except ConfigError as err:
+        if full_errors():
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
     main()

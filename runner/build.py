@@ -75,7 +75,8 @@ def instantiate(node: DictConfig, group: str, **kwargs):
         return hydra_instantiate(node, **kwargs)
     except InstantiationException as err:
         cause = err.__cause__
-        why = f"{type(cause).__name__}: {cause}" if cause is not None else str(err).splitlines()[0]
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else str(err)
+        why = " ".join(line.strip() for line in why.splitlines() if line.strip())
         raise ConfigError(f"{group}._target_", node.get("_target_"), f"cannot build it: {why}") from err
 
 

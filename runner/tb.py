@@ -34,7 +34,7 @@ class Board:
         for k, (peak, runs) in enumerate(zip(stats["peak_bytes"], stats["forward_runs"])):
             values[f"memory/section_{k}"] = peak
             values[f"recompute/section_{k}"] = runs
-        self.scalars(step, values)
+        self.scalars(step, {tag: value for tag, value in values.items() if value is not None})
 
     def flush(self) -> None:
         self.writer.flush()

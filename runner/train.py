@@ -109,8 +109,10 @@ def summarize(history: list, results: dict, data, batch: int, step: int) -> dict
         **{k: v for k, v in results.items() if k not in ("loss", metric)},
         "median_step_seconds": median,
         "examples_per_second": batch / median if median else None,
-        "step_peak_bytes": max((s["step_peak_bytes"] for s, _ in history), default=None),
-        "peak_bytes_per_section": [max(col) for col in zip(*(s["peak_bytes"] for s, _ in history))],
+        "step_peak_bytes": max((s["step_peak_bytes"] for s, _ in history if s["step_peak_bytes"] is not None),
+                               default=None),
+        "peak_bytes_per_section": [max((v for v in col if v is not None), default=None)
+                                   for col in zip(*(s["peak_bytes"] for s, _ in history))],
         "forward_runs_per_section": list(last.get("forward_runs", [])),
     }
     if metrics["step_peak_bytes"] is not None:

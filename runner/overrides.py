@@ -1,0 +1,117 @@
+"""Command-line overrides checked against the schema before Hydra composes, so a typo gets one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+from runner.errors import ConfigError
+from runner.schema import Config
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def check_overrides(args: list[str], conf_dir: str) -> None:
+    """Raise ConfigError for an unknown key or group option, or a value of the wrong type for the schema."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    candidates = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except HydraException:
+        return  # Hydra reports syntax errors itself
+    groups = sorted(p.name for p in Path(conf_dir).iterdir() if p.is_dir() and p.name != "hydra")
+    searchpath = any(o.key_or_group == "hydra.searchpath" for o in overrides)
+    for o in overrides:
+        key = o.key_or_group
+        if o.is_add() or o.is_force_add() or o.is_delete() or o.package is not None or "/" in key:
+            continue
+        if key in groups and not searchpath:
+            _check_option(Path(conf_dir) / key, o)
+        if key.split(".")[0] in ("hydra", *groups) and not _schema_node(key):
+            continue
+        _check_key(key, o, groups)
+
+
+def _check_option(group: Path, override) -> None:
+    options = sorted(p.stem for p in group.glob("*.yaml"))
+    for value in _values(override):
+        if value is not None and value not in options:
+            raise ConfigError(group.name, value, f"unknown option; allowed: {', '.join(options)}")
+
+
+def _schema_node(key: str) -> bool:
+    """Whether `key` lies under a node the schema types field by field (engine, train, the top level)."""
+    head = key.split(".")[0]
+    hints = typing.get_type_hints(Config)
+    return head in hints and dataclasses.is_dataclass(hints[head])
+
+
+def _check_key(key: str, override, groups: list[str]) -> None:
+    node, parts = Config, key.split(".")
+    for depth, part in enumerate(parts):
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            names = list(hints) + ([g for g in groups if g not in hints] if depth == 0 else [])
+            where = ".".join(parts[:depth]) or "the top level"
+            raise ConfigError(key, _shown(override), f"unknown key; {where} has: {', '.join(names)} "
+                              f"(+{key}=... adds a new key)")
+        node = hints[part]
+        if not dataclasses.is_dataclass(node):
+            if depth == len(parts) - 1:
+                for value in _values(override):
+                    if not _fits(value, node):
+                        raise ConfigError(key, value, f"must be {_describe(node)}")
+            return
+
+
+def _values(override) -> list:
+    if not override.is_sweep_override():
+        return [override.value()]
+    sweep = override.value()
+    return list(getattr(sweep, "list", []))
+
+
+def _shown(override) -> Any:
+    return override.input_line.split("=", 1)[1] if override.input_line else override.value()
+
+
+def _fits(value, tp) -> bool:
+    if tp is Any:
+        return True
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union:
+        return any(_fits(value, a) for a in args)
+    if tp is type(None):
+        return value is None
+    if isinstance(value, str) and tp in (int, float, bool):
+        return _parses(value, tp)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, (str, int, float, bool))
+    return True
+
+
+def _parses(text: str, tp) -> bool:
+    if tp is bool:
+        return text.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0")
+    try:
+        tp(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _describe(tp) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is typing.Union and len(args) == 1:
+        return f"{_TYPE_WORDS.get(args[0], args[0])} or null"
+    return _TYPE_WORDS.get(tp, str(tp))
