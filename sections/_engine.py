@@ -174,6 +174,7 @@ class Engine:
         meter.reset()
         borders = [batch[self.network.inputs]]
         snapshots, tapes = [None] * last, [None] * last
+        out = None
         for k in range(last):
             if self.sections[k].policy == "store":
                 tapes[k] = tf.GradientTape()
