@@ -46,3 +46,10 @@ def check_image_shape(input_shape) -> tuple[int, int, int] | None:
     if len(shape) != 3:
         raise ValueError(f"input_shape={input_shape!r}: must be (height, width, channels).")
     return tuple(shape)
+
+
+def reject_data_args(model: str, needs: str, **given) -> None:
+    """Raise when a data source meant for another kind of model supplied ``given`` arguments."""
+    wrong = {k: v for k, v in given.items() if v is not None}
+    if wrong:
+        raise ValueError(f"{model} needs {needs}; got {wrong} from data meant for another kind of model.")

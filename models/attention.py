@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from sections import Network
 
-from ._util import SeedStream, check_image_shape, check_int, check_ints, serializable
+from ._util import SeedStream, check_image_shape, check_int, check_ints, reject_data_args, serializable
 from .losses import classification_accuracy, classification_loss
 from .resnet import PoolDense
 
@@ -38,8 +38,8 @@ class ConvPool(keras.layers.Layer):
         super().__init__(**kwargs)
         self.filters, self.bn_momentum, self.seed = filters, bn_momentum, seed
         self.conv = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False,
-                                        kernel_initializer=keras.initializers.HeNormal(seed=seed))
-        self.bn = keras.layers.BatchNormalization(momentum=bn_momentum)
+                                        kernel_initializer=keras.initializers.HeNormal(seed=seed), name="conv")
+        self.bn = keras.layers.BatchNormalization(momentum=bn_momentum, name="bn")
 
     def build(self, input_shape):
         self.conv.build(input_shape)
@@ -65,8 +65,8 @@ class BernoulliAttention(keras.layers.Layer):
         super().__init__(**kwargs)
         self.seed = seed
         self.score = keras.layers.Conv2D(1, 1, kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
-                                         bias_initializer=keras.initializers.Constant(2.0))
-        self.seed_generator = keras.random.SeedGenerator(seed + 1)
+                                         bias_initializer=keras.initializers.Constant(2.0), name="score")
+        self.seed_generator = keras.random.SeedGenerator(seed + 1, name="seed_generator")
 
     def build(self, input_shape):
         self.score.build(input_shape)
@@ -88,6 +88,7 @@ def build_attention(
     filters: Sequence[int] = (32, 64),
     bn_momentum: float = 0.9,
     seed: int = 0,
+    vocab_size: int | None = None,
 ) -> Network:
     """Blocks ``features/conv_{i}`` (conv, BN, ReLU, pool), ``attention`` (the Bernoulli gate), ``classifier``.
 
@@ -97,7 +98,9 @@ def build_attention(
         filters: filters of each conv-pool block.
         bn_momentum: batch-norm moving-average momentum.
         seed: makes initial weights and the attention samples reproducible.
+        vocab_size: sequence data's argument; given, it raises a ValueError naming the mix-up.
     """
+    reject_data_args("attention", "image data (num_classes, input_shape)", vocab_size=vocab_size)
     num_classes = check_int("num_classes", num_classes, minimum=2)
     check_image_shape(input_shape)
     filters = check_ints("filters", filters)

@@ -8,7 +8,7 @@ import keras
 
 from sections import Network
 
-from ._util import SeedStream, check_int, check_ints, check_rate, serializable
+from ._util import SeedStream, check_int, check_ints, check_rate, reject_data_args, serializable
 from .losses import classification_accuracy, classification_loss
 
 ACTIVATIONS = ("relu", "gelu", "tanh", "sigmoid", "elu", "swish")
@@ -21,10 +21,10 @@ class DenseBlock(keras.layers.Layer):
     def __init__(self, units: int, activation: str | None = "relu", dropout: float = 0.0, seed: int = 0, **kwargs):
         super().__init__(**kwargs)
         self.units, self.activation, self.dropout, self.seed = units, activation, dropout, seed
-        self.flatten = keras.layers.Flatten()
+        self.flatten = keras.layers.Flatten(name="flatten")
         self.dense = keras.layers.Dense(units, activation=activation,
-                                        kernel_initializer=keras.initializers.GlorotUniform(seed=seed))
-        self.drop = keras.layers.Dropout(dropout, seed=seed + 1) if dropout > 0 else None
+                                        kernel_initializer=keras.initializers.GlorotUniform(seed=seed), name="dense")
+        self.drop = keras.layers.Dropout(dropout, seed=seed + 1, name="dropout") if dropout > 0 else None
 
     def build(self, input_shape):
         self.dense.build(self.flatten.compute_output_shape(input_shape))
@@ -45,6 +45,7 @@ def build_mlp(
     activation: str = "relu",
     dropout: float = 0.0,
     seed: int = 0,
+    vocab_size: int | None = None,
 ) -> Network:
     """Blocks ``dense_0``.. (one per hidden layer) and ``logits``; the first block flattens the input.
 
@@ -55,7 +56,9 @@ def build_mlp(
         activation: one of ``ACTIVATIONS``.
         dropout: rate after each hidden layer (0 turns it off).
         seed: makes initial weights and dropout reproducible.
+        vocab_size: sequence data's argument; given, it raises a ValueError naming the mix-up.
     """
+    reject_data_args("mlp", "image data (num_classes, input_shape)", vocab_size=vocab_size)
     num_classes = check_int("num_classes", num_classes, minimum=2)
     hidden = check_ints("hidden", hidden)
     if activation not in ACTIVATIONS:

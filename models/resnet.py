@@ -9,13 +9,14 @@ import tensorflow as tf
 
 from sections import Network
 
-from ._util import SeedStream, check_image_shape, check_int, check_ints, check_rate, serializable
+from ._util import (SeedStream, check_image_shape, check_int, check_ints, check_rate, reject_data_args,
+                    serializable)
 from .losses import classification_accuracy, classification_loss
 
 
-def _conv(filters: int, size: int, stride: int, seed: int) -> keras.layers.Conv2D:
+def _conv(filters: int, size: int, stride: int, seed: int, name: str) -> keras.layers.Conv2D:
     return keras.layers.Conv2D(filters, size, strides=stride, padding="same", use_bias=False,
-                               kernel_initializer=keras.initializers.HeNormal(seed=seed))
+                               kernel_initializer=keras.initializers.HeNormal(seed=seed), name=name)
 
 
 @serializable
@@ -25,8 +26,8 @@ class ConvBNReLU(keras.layers.Layer):
     def __init__(self, filters: int, bn_momentum: float = 0.9, seed: int = 0, **kwargs):
         super().__init__(**kwargs)
         self.filters, self.bn_momentum, self.seed = filters, bn_momentum, seed
-        self.conv = _conv(filters, 3, 1, seed)
-        self.bn = keras.layers.BatchNormalization(momentum=bn_momentum)
+        self.conv = _conv(filters, 3, 1, seed, "conv")
+        self.bn = keras.layers.BatchNormalization(momentum=bn_momentum, name="bn")
 
     def build(self, input_shape):
         self.conv.build(input_shape)
@@ -48,11 +49,11 @@ class PreActBlock(keras.layers.Layer):
         super().__init__(**kwargs)
         self.filters, self.stride, self.dropout, self.bn_momentum, self.seed = (
             filters, stride, dropout, bn_momentum, seed)
-        self.bn1 = keras.layers.BatchNormalization(momentum=bn_momentum)
-        self.conv1 = _conv(filters, 3, stride, seed)
-        self.bn2 = keras.layers.BatchNormalization(momentum=bn_momentum)
-        self.drop = keras.layers.Dropout(dropout, seed=seed + 1) if dropout > 0 else None
-        self.conv2 = _conv(filters, 3, 1, seed + 2)
+        self.bn1 = keras.layers.BatchNormalization(momentum=bn_momentum, name="bn1")
+        self.conv1 = _conv(filters, 3, stride, seed, "conv1")
+        self.bn2 = keras.layers.BatchNormalization(momentum=bn_momentum, name="bn2")
+        self.drop = keras.layers.Dropout(dropout, seed=seed + 1, name="dropout") if dropout > 0 else None
+        self.conv2 = _conv(filters, 3, 1, seed + 2, "conv2")
         self.projection = None
 
     def build(self, input_shape):
@@ -62,7 +63,7 @@ class PreActBlock(keras.layers.Layer):
         self.bn2.build(mid)
         self.conv2.build(mid)
         if self.stride != 1 or input_shape[-1] != self.filters:
-            self.projection = _conv(self.filters, 1, self.stride, self.seed + 3)
+            self.projection = _conv(self.filters, 1, self.stride, self.seed + 3, "projection")
             self.projection.build(input_shape)
 
     def call(self, x, training=False):
@@ -85,7 +86,8 @@ class PoolDense(keras.layers.Layer):
     def __init__(self, num_classes: int, seed: int = 0, **kwargs):
         super().__init__(**kwargs)
         self.num_classes, self.seed = num_classes, seed
-        self.dense = keras.layers.Dense(num_classes, kernel_initializer=keras.initializers.GlorotUniform(seed=seed))
+        self.dense = keras.layers.Dense(num_classes, kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
+                                        name="dense")
 
     def build(self, input_shape):
         self.dense.build((input_shape[0], input_shape[-1]))
@@ -105,6 +107,7 @@ def build_resnet(
     dropout: float = 0.0,
     bn_momentum: float = 0.9,
     seed: int = 0,
+    vocab_size: int | None = None,
 ) -> Network:
     """The notebook's ResNet; scale ``i > 0`` starts with a stride-2 block to ``widths[i]`` filters.
 
@@ -116,7 +119,9 @@ def build_resnet(
         dropout: rate between the two convolutions of every block (0 turns it off).
         bn_momentum: batch-norm moving-average momentum.
         seed: makes initial weights and dropout reproducible.
+        vocab_size: sequence data's argument; given, it raises a ValueError naming the mix-up.
     """
+    reject_data_args("resnet", "image data (num_classes, input_shape)", vocab_size=vocab_size)
     num_classes = check_int("num_classes", num_classes, minimum=2)
     check_image_shape(input_shape)
     widths, depths = check_ints("widths", widths), check_ints("depths", depths)

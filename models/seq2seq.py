@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from sections import Network
 
-from ._util import SeedStream, check_int, serializable
+from ._util import SeedStream, check_int, reject_data_args, serializable
 from .losses import PAD_ID, sequence_loss, token_accuracy
 
 CELLS = ("gru", "lstm")
@@ -21,7 +21,7 @@ CELLS = ("gru", "lstm")
 def _rnn(cell: str, units: int, seed: int, **kwargs):
     layer = keras.layers.GRU if cell == "gru" else keras.layers.LSTM
     return layer(units, kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
-                 recurrent_initializer=keras.initializers.Orthogonal(seed=seed + 1), **kwargs)
+                 recurrent_initializer=keras.initializers.Orthogonal(seed=seed + 1), seed=seed + 2, **kwargs)
 
 
 @serializable
@@ -32,8 +32,9 @@ class Encoder(keras.layers.Layer):
         super().__init__(**kwargs)
         self.vocab_size, self.embed_dim, self.units, self.cell, self.seed = vocab_size, embed_dim, units, cell, seed
         self.embed = keras.layers.Embedding(vocab_size, embed_dim,
-                                            embeddings_initializer=keras.initializers.RandomUniform(seed=seed))
-        self.rnn = _rnn(cell, units, seed + 1, return_state=True)
+                                            embeddings_initializer=keras.initializers.RandomUniform(seed=seed),
+                                            name="embed")
+        self.rnn = _rnn(cell, units, seed + 1, return_state=True, name="rnn")
 
     def build(self, input_shape):
         self.embed.build(input_shape)
@@ -56,9 +57,11 @@ class Decoder(keras.layers.Layer):
         super().__init__(**kwargs)
         self.vocab_size, self.embed_dim, self.units, self.cell, self.seed = vocab_size, embed_dim, units, cell, seed
         self.embed = keras.layers.Embedding(vocab_size, embed_dim,
-                                            embeddings_initializer=keras.initializers.RandomUniform(seed=seed))
-        self.rnn = _rnn(cell, units, seed + 1, return_sequences=True)
-        self.logits = keras.layers.Dense(vocab_size, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 3))
+                                            embeddings_initializer=keras.initializers.RandomUniform(seed=seed),
+                                            name="embed")
+        self.rnn = _rnn(cell, units, seed + 1, return_sequences=True, name="rnn")
+        self.logits = keras.layers.Dense(vocab_size, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 3),
+                                         name="logits")
 
     def build(self, input_shape):
         _, target_shape = input_shape
@@ -83,6 +86,8 @@ def build_seq2seq(
     units: int = 256,
     cell: str = "gru",
     seed: int = 0,
+    num_classes: int | None = None,
+    input_shape=None,
 ) -> Network:
     """Blocks ``encoder`` (reads ``source``) and ``decoder`` (also reads ``target_in``); loss on ``target_out``.
 
@@ -92,7 +97,10 @@ def build_seq2seq(
         units: RNN state size (the border between the two sections).
         cell: ``"gru"`` or ``"lstm"``.
         seed: makes initial weights reproducible.
+        num_classes, input_shape: image data's arguments; given, they raise a ValueError naming the mix-up.
     """
+    reject_data_args("seq2seq", "sequence data (vocab_size; data=sequences)", num_classes=num_classes,
+                     input_shape=input_shape)
     if vocab_size is None:
         raise ValueError("seq2seq needs vocab_size, supplied by sequence data (data=sequences or "
                          "data=synthetic with kind=sequences); got None.")

@@ -1,0 +1,276 @@
+"""Model zoo: every model builds, cuts at its group boundaries, and trains sectioned exactly like whole."""
+
+from __future__ import annotations
+
+import pathlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from omegaconf import OmegaConf
+
+import models
+from models import data
+from models.attention import BernoulliAttention, bernoulli_gate
+from models.resnet import ConvBNReLU, PoolDense, PreActBlock
+from models.seq2seq import Decoder, Encoder
+from sections import Engine
+
+CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
+
+TINY = {
+    "resnet": dict(widths=[4, 8, 8], depths=[2, 2, 2]),
+    "mlp": dict(hidden=[16, 8]),
+    "attention": dict(filters=[4, 8]),
+    "seq2seq": dict(embed_dim=8, units=16),
+}
+GROUP_CUTS = {
+    "resnet": ["scale0", "scale1", "scale2", "final_pool"],
+    "mlp": ["dense_1", "logits"],
+    "attention": ["attention", "classifier"],
+    "seq2seq": ["decoder"],
+}
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return data.digits()
+
+
+@pytest.fixture(scope="module")
+def reversal():
+    return data.sequences(source_buckets=[3, 6], target_buckets=[2, 5])
+
+
+def _source(name, digits, reversal):
+    return reversal if name == "seq2seq" else digits
+
+
+def _build(name, source, seed=0, **overrides):
+    return getattr(models, f"build_{name}")(**source.model_args, **{**TINY[name], **overrides}, seed=seed)
+
+
+def _batches(source, n, batch_size=8):
+    it = iter(source.train_batches(batch_size, seed=3))
+    return [next(it) for _ in range(n)]
+
+
+def _groups(net):
+    return list(dict.fromkeys(b.group for b in net.blocks))
+
+
+def _reference_steps(net, batches, optimizer):
+    """A plain whole-graph GradientTape loop."""
+    losses = []
+    for batch in batches:
+        with tf.GradientTape() as tape:
+            loss = net.loss(net.forward(batch, training=True), batch)
+        grads = tape.gradient(loss, net.trainable_variables)
+        optimizer.apply_gradients(zip(grads, net.trainable_variables))
+        losses.append(float(loss))
+    return losses
+
+
+def _assert_same_variables(a, b, rtol=1e-4, atol=1e-5):
+    assert [v.shape for v in a.variables] == [v.shape for v in b.variables]
+    for va, vb in zip(a.variables, b.variables):
+        np.testing.assert_allclose(np.asarray(va.numpy(), "float64"), np.asarray(vb.numpy(), "float64"),
+                                   rtol=rtol, atol=atol, err_msg=va.path)
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_same_seed_builds_identical_weights(name, digits, reversal):
+    source = _source(name, digits, reversal)
+    batch = _batches(source, 1)[0]
+    a, b, c = _build(name, source), _build(name, source), _build(name, source, seed=1)
+    for net in (a, b, c):
+        net.build(batch)
+    _assert_same_variables(a, b, rtol=0, atol=0)
+    assert any(not np.array_equal(va.numpy(), vc.numpy()) for va, vc in zip(a.trainable_variables, c.trainable_variables))
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_group_boundaries(name, digits, reversal):
+    net = _build(name, _source(name, digits, reversal))
+    assert _groups(net)[1:] == GROUP_CUTS[name]
+    assert all(len(b.layer.trainable_variables) == 0 for b in net.blocks)  # built lazily, by data
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_sectioned_steps_equal_whole_graph_steps(name, digits, reversal):
+    """Cut at every group boundary, recompute policy, replay checked: 2 steps equal a plain tape loop."""
+    source = _source(name, digits, reversal)
+    batches = _batches(source, 2)
+    sectioned, whole = _build(name, source), _build(name, source)
+    whole.build(batches[0])
+    engine = Engine(sectioned, keras.optimizers.Adam(1e-2), sections=GROUP_CUTS[name], policy="recompute", check=True)
+    losses = [engine.train_step(b)["loss"] for b in batches]
+    reference = _reference_steps(whole, batches, keras.optimizers.Adam(1e-2))
+    assert len(engine.sections) == len(GROUP_CUTS[name]) + 1
+    np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-5)
+    _assert_same_variables(sectioned, whole)
+
+
+def test_resnet_blocks_and_notebook_sections(digits):
+    net = models.build_resnet(**digits.model_args)
+    assert net.block_names == (["initial_conv"] + [f"scale0/block_{j}" for j in range(3)]
+                               + [f"scale1/block_{j}" for j in range(3)] + [f"scale2/block_{j}" for j in range(5)]
+                               + ["final_pool"])
+    engine = Engine(net, keras.optimizers.Adam(1e-4), sections=["scale1", "scale2", "final_pool"])
+    engine.build(_batches(digits, 1, batch_size=4)[0])
+    rows = engine.partition_rows()
+    assert [r["blocks"] for r in rows] == ["initial_conv .. scale0/block_2", "scale1/block_0 .. scale1/block_2",
+                                           "scale2/block_0 .. scale2/block_4", "final_pool"]
+    assert [r["input_border"] for r in rows] == ["4x28x28x1", "4x28x28x16", "4x14x14x32", "4x7x7x64"]
+
+
+def test_resnet_projection_only_where_shape_changes(digits):
+    net = models.build_resnet(**digits.model_args, dropout=0.1)
+    net.build(_batches(digits, 1)[0])
+    projected = [b.name for b in net.blocks if getattr(b.layer, "projection", None) is not None]
+    assert projected == ["scale1/block_0", "scale2/block_0"]
+
+
+@pytest.mark.parametrize("builder, kwargs, match", [
+    (models.build_resnet, dict(widths=[16, 32], depths=[3]), "one entry per scale"),
+    (models.build_resnet, dict(depths=[3, 0, 5]), r"depths\[1\]=0"),
+    (models.build_resnet, dict(dropout=1.5), "dropout=1.5"),
+    (models.build_resnet, dict(num_classes=1), "num_classes=1"),
+    (models.build_resnet, dict(input_shape=(28, 28)), "height, width, channels"),
+    (models.build_resnet, dict(vocab_size=13), "needs image data"),
+    (models.build_mlp, dict(activation="softplus"), "activation='softplus'"),
+    (models.build_mlp, dict(hidden=[]), "hidden=.*non-empty"),
+    (models.build_attention, dict(filters="32"), "filters='32'"),
+    (models.build_seq2seq, dict(), "vocab_size.*data=sequences"),
+    (models.build_seq2seq, dict(vocab_size=13, cell="rnn"), "cell='rnn'"),
+    (models.build_seq2seq, dict(vocab_size=13, num_classes=10), "needs sequence data"),
+])
+def test_bad_arguments_name_the_value(builder, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        builder(**kwargs)
+
+
+@pytest.mark.parametrize("layer", [
+    ConvBNReLU(8, seed=3), PreActBlock(8, stride=2, dropout=0.2, seed=4), PoolDense(10, seed=5),
+    BernoulliAttention(seed=6), Encoder(13, 8, 16, "lstm", seed=7), Decoder(13, 8, 16, "gru", seed=8),
+])
+def test_layer_config_round_trip(layer):
+    clone = type(layer).from_config(layer.get_config())
+    assert clone.get_config() == layer.get_config()
+
+
+def test_bernoulli_gate_gradient_is_straight_through():
+    features = tf.constant(np.random.default_rng(0).normal(size=(2, 3, 3, 4)), tf.float32)
+    probs = tf.fill([2, 3, 3, 1], 0.5)
+    noise = tf.constant(np.random.default_rng(1).uniform(size=(2, 3, 3, 1)), tf.float32)
+    upstream = tf.constant(np.random.default_rng(2).normal(size=(2, 3, 3, 4)), tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch([features, probs])
+        out = bernoulli_gate(features, probs, noise)
+    d_features, d_probs = tape.gradient(out, [features, probs], output_gradients=upstream)
+    sample = tf.cast(noise < probs, tf.float32)
+    np.testing.assert_allclose(out, features * sample)
+    np.testing.assert_allclose(d_features, upstream * sample)
+    np.testing.assert_allclose(d_probs, tf.reduce_sum(upstream * features, -1, keepdims=True), rtol=1e-6)
+
+
+def test_attention_sample_replays_from_seed_state_and_inference_uses_expectation():
+    layer = BernoulliAttention(seed=1)
+    x = tf.ones([2, 4, 4, 3])
+    layer.build(x.shape)
+    state = [(v, tf.identity(v.value)) for v in layer.non_trainable_variables]
+    first = layer(x, training=True)
+    with keras.StatelessScope(state_mapping=state):
+        replay = layer(x, training=True)
+    second = layer(x, training=True)
+    np.testing.assert_array_equal(first, replay)
+    assert not np.array_equal(first, second)
+    assert set(np.unique(first.numpy())) <= {0.0, 1.0}
+    np.testing.assert_allclose(layer(x, training=False), tf.sigmoid(layer.score(x)) * x)
+
+
+def test_seq2seq_lstm_border_is_a_state_tuple(reversal):
+    net = models.build_seq2seq(**reversal.model_args, embed_dim=8, units=16, cell="lstm")
+    batch = _batches(reversal, 1)[0]
+    state = net.blocks[0](batch["source"], batch, False)
+    assert isinstance(state, tuple) and [s.shape.as_list() for s in state] == [[8, 16], [8, 16]]
+    assert net.forward(batch, training=False).shape == (*batch["target_out"].shape, reversal.vocab_size)
+
+
+def test_seq2seq_encoder_ignores_padding(reversal):
+    net = models.build_seq2seq(**reversal.model_args, embed_dim=8, units=16)
+    source = tf.constant([[5, 6, 7, 0, 0]])
+    short = net.blocks[0](source[:, :3], {}, False)
+    padded = net.blocks[0](source, {}, False)
+    np.testing.assert_allclose(short, padded, rtol=1e-5, atol=1e-6)
+
+
+def _seq2seq_bucket_batches(source_buckets, target_buckets):
+    src = data.sequences(source_buckets=source_buckets, target_buckets=target_buckets)
+    return src, list(src.eval_batches(4).take(len(source_buckets) * len(target_buckets)))
+
+
+def test_seq2seq_sections_trace_once_per_bucket_not_per_pair():
+    """Compiled separately, the encoder traces per source length and the decoder per target length:
+    2 + 3 graphs for 6 bucket pairs, where one compiled whole step traces 6."""
+    src, batches = _seq2seq_bucket_batches([3, 5], [2, 4, 6])
+    net = models.build_seq2seq(**src.model_args, embed_dim=8, units=16)
+    encoder, decoder = net.blocks
+    net.build(batches[0])
+
+    @tf.function
+    def encoder_backward(source, upstream):
+        with tf.GradientTape() as tape:
+            state = encoder(source, {}, True)
+        return tape.gradient(state, encoder.layer.trainable_variables, output_gradients=upstream)
+
+    @tf.function
+    def decoder_fused(state, target_in, target_out):
+        with tf.GradientTape() as tape:
+            tape.watch(state)
+            loss = net.loss(decoder(state, {"target_in": target_in}, True), {"target_out": target_out})
+        return tape.gradient(loss, [state, *decoder.layer.trainable_variables])
+
+    @tf.function
+    def whole(batch):
+        with tf.GradientTape() as tape:
+            loss = net.loss(net.forward(batch, training=True), batch)
+        return tape.gradient(loss, net.trainable_variables)
+
+    encoder_forward = tf.function(lambda source: encoder(source, {}, True))
+    for b in batches:
+        state = encoder_forward(b["source"])
+        d_state, *_ = decoder_fused(state, b["target_in"], b["target_out"])
+        encoder_backward(b["source"], d_state)
+        whole(b)
+    sectioned = sum(f.experimental_get_tracing_count() for f in (encoder_forward, encoder_backward, decoder_fused))
+    assert (encoder_forward.experimental_get_tracing_count(), encoder_backward.experimental_get_tracing_count(),
+            decoder_fused.experimental_get_tracing_count()) == (2, 2, 3)
+    assert sectioned == 2 * 2 + 3
+    assert whole.experimental_get_tracing_count() == 6
+
+
+@pytest.mark.xfail(reason="the Engine hands each section the whole batch, so a section's traces depend on every "
+                          "batch field's shape; needs per-section batch fields (and the loss's label keys)",
+                   strict=False)
+def test_engine_traces_seq2seq_sections_once_per_bucket():
+    src, batches = _seq2seq_bucket_batches([3, 5], [2, 4, 6])
+    net = models.build_seq2seq(**src.model_args, embed_dim=8, units=16)
+    engine = Engine(net, keras.optimizers.Adam(1e-3), sections=["decoder"])
+    for b in batches:
+        engine.train_step(b)
+    counts = engine.trace_counts()
+    assert (counts["section_0/forward"], counts["section_0/backward"], counts["section_1/fused"]) == (2, 2, 3)
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_model_yaml_instantiates_and_default_sections_resolve(name, digits, reversal):
+    from hydra.utils import instantiate
+
+    cfg = OmegaConf.load(CONF / "model" / f"{name}.yaml")
+    default_sections = cfg.pop("default_sections")
+    net = instantiate(OmegaConf.merge(cfg, TINY[name]), **_source(name, digits, reversal).model_args)
+    cut_names = {n for b in net.blocks for n in (b.name, b.group)}
+    assert set(default_sections) <= cut_names
+    assert net.metrics.keys() == {"accuracy"}
