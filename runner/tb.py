@@ -55,8 +55,16 @@ def hparam_values(cfg, choices: dict, sections) -> dict:
             if isinstance(value, dict):
                 walk(f"{prefix}{key}.", value)
             else:
-                values[f"{prefix}{key}"] = value if isinstance(value, (bool, int, float, str)) else str(value)
+                values[f"{prefix}{key}"] = value if isinstance(value, (bool, int, float, str)) else _text(value)
 
     walk("", cfg)
-    values["sections"] = sections if isinstance(sections, int) else str(sections)
+    values["sections"] = sections if isinstance(sections, int) else _text(sections)
     return values
+
+
+def _text(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_text(v) if not isinstance(v, str) else v for v in value) + "]"
+    return str(value)
