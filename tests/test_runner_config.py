@@ -1,0 +1,132 @@
+"""The runner's configs and its answers to bad input: composition, --help, one-line errors, output folders."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from runner.app import CONF
+from runner.callbacks import claim_folder
+from runner.schema import register
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HYDRA_FULL_ERROR": ""}
+TINY = ["model=resnet", "model.widths=[4,4,4]", "model.depths=[1,1,1]", "batch=8", "train.steps=1"]
+
+
+def runner(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=ROOT, env=env or ENV, capture_output=True,
+                          text=True, timeout=120)
+
+
+def composed(*overrides: str):
+    register()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_help_is_fast_and_lists_the_groups():
+    began = time.monotonic()
+    proc = runner("--help")
+    assert proc.returncode == 0 and time.monotonic() - began < 2.0
+    for group in ("model:", "data:", "optimizer:", "engine:", "train:", "experiment:"):
+        assert group in proc.stdout
+
+
+def test_default_config_is_resnet_on_digits_with_its_sections():
+    cfg = composed()
+    assert cfg.model._target_ == "models.build_resnet" and cfg.data._target_ == "models.data.digits"
+    assert cfg.sections is None and len(cfg.model.default_sections) == 3
+    assert cfg.optimizer._target_ == "keras.optimizers.Adam"
+
+
+def test_partialflow_mnist_experiment_is_the_notebook_setting():
+    cfg = composed("experiment=partialflow_mnist")
+    assert cfg.batch == 7500 and cfg.optimizer.learning_rate == 1e-4
+    assert cfg.optimizer._target_ == "keras.optimizers.Adam" and cfg.model._target_ == "models.build_resnet"
+    assert cfg.sections is None and len(cfg.model.default_sections) + 1 == 4
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (Path(CONF) / "optimizer").glob("*.yaml")))
+def test_every_optimizer_option_builds(option):
+    from hydra.utils import instantiate
+
+    optimizer = instantiate(composed(f"optimizer={option}").optimizer)
+    assert optimizer.learning_rate.numpy() > 0
+
+
+def test_schema_types_every_engine_and_train_field():
+    cfg = composed("engine=store", "train=smoke")
+    assert OmegaConf.get_type(cfg, "engine").__name__ == "EngineConfig"
+    assert OmegaConf.get_type(cfg, "train").__name__ == "TrainConfig"
+    assert cfg.engine.policy == "store" and cfg.train.steps == 4
+
+
+def _fake_run(folder: Path) -> Path:
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "checkpoints" / "checkpoint").write_text("")
+    (folder / "config.yaml").write_text("model:\n  _target_: models.build_mlp\n  hidden: [8]\n")
+    return folder
+
+
+BAD = [
+    (["foo=1"], "foo=1: unknown key; the top level has: model"),
+    (["train.stepz=3"], "train.stepz=3: unknown key; train has: steps"),
+    (["batch=abc"], "batch=abc: must be an integer"),
+    (["engine.jit_compile=maybe"], "engine.jit_compile=maybe: must be true or false"),
+    (["model=nope"], "model=nope: unknown option; allowed: attention, mlp, resnet"),
+    (["data=nope"], "data=nope: unknown option; allowed: digits"),
+    (["optimizer=nope"], "optimizer=nope: unknown option; allowed: adam"),
+    (["batch=0"], "batch=0: must be a positive integer"),
+    (["batch=-5"], "batch=-5: must be a positive integer"),
+    (["sections=0"], "sections=0: must be a positive integer"),
+    (["sections=[a,a]"], "sections=[a,a]: boundary names must not repeat"),
+    (["sections=auto"], "sections=auto: auto needs engine.memory_budget"),
+    (["engine.policy=bad"], "engine.policy=bad: allowed: recompute or store"),
+    (["engine.strategy=bad"], "engine.strategy=bad: allowed: sectioned, whole, recompute_grad"),
+    (["train.progress=x"], "train.progress=x: allowed: auto, bar, log"),
+    (["resume=/no/such/run"], "resume=/no/such/run: no such folder"),
+    (["resume={tmp}/other", "model=resnet"], "trained a different model"),
+    ([*TINY, "sections=99"], "sections=99: this model has 5 blocks; allowed: 1 to 5"),
+    ([*TINY, "sections=[scale1,nope]"], "sections=[scale1,nope]: unknown boundary name(s) nope; allowed: initial_conv"),
+    ([*TINY, "optimizer._target_=keras.optimizers.Nope"], "optimizer._target_=keras.optimizers.Nope: cannot build"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a[-1:]) for a, _ in BAD])
+def test_bad_input_exits_with_one_line_naming_the_key(args, message, tmp_path):
+    _fake_run(tmp_path / "other")
+    out = tmp_path / "run"
+    proc = runner(*(a.format(tmp=tmp_path) for a in args), f"hydra.run.dir={out}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not out.exists() or sorted(p.name for p in out.iterdir()) == ["runner.log"]
+
+
+def test_full_error_env_shows_the_traceback(tmp_path):
+    proc = runner("batch=0", f"hydra.run.dir={tmp_path / 'run'}", env={**ENV, "HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "batch=0" in proc.stderr
+
+
+def test_runs_started_together_never_share_a_folder(tmp_path):
+    out = tmp_path / "same"
+    cmd = [sys.executable, "-m", "runner", "batch=0", f"hydra.run.dir={out}"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for _ in range(3)]
+    assert [p.wait(60) for p in procs] == [2, 2, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["same", "same-1", "same-2"]
+    assert all((tmp_path / name / "runner.log").is_file() for name in ("same", "same-1", "same-2"))
+
+
+def test_claim_folder_adds_a_suffix_when_taken(tmp_path):
+    assert [claim_folder(tmp_path / "a" / "12-00-00").name for _ in range(3)] == ["12-00-00", "12-00-00-1",
+                                                                                   "12-00-00-2"]
