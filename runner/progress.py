@@ -33,7 +33,8 @@ class Progress:
     def update(self, step: int, loss: float, examples_per_second: float, peak_bytes: int | None) -> None:
         peak = human_bytes(peak_bytes) if peak_bytes is not None else "n/a"
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{examples_per_second:.0f}", peak=peak, refresh=False)
+            self.bar.set_postfix({"loss": f"{loss:.4f}", "ex/s": f"{examples_per_second:.0f}", "peak": peak},
+                                 refresh=False)
             self.bar.update(1)
         elif step % self.log_every == 0 or step == self.total:
             log.info(f"step {step}/{self.total}  loss {loss:.4f}  {examples_per_second:.0f} ex/s  peak {peak}")

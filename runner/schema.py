@@ -29,10 +29,10 @@ class EngineConfig:
 class TrainConfig:
     """The training loop: length, evaluation, checkpoints and logging cadence."""
 
-    steps: int = 300
-    eval_every: int = 100  # 0: evaluate only at the end
+    steps: int = 200
+    eval_every: int = 50  # 0: evaluate only at the end
     eval_batch: Optional[int] = None  # null: same as `batch`
-    checkpoint_every: int = 100  # 0: checkpoint only at the end
+    checkpoint_every: int = 50  # 0: checkpoint only at the end
     keep_checkpoints: int = 3
     log_every: int = 10  # plain log line cadence when stderr is not a terminal
     progress: str = "auto"  # auto | bar | log

@@ -72,13 +72,15 @@ def fit(cfg: DictConfig, setup: Setup, out: Path) -> float:
                 if stop.requested and step < train.steps:
                     path = checkpoints.latest if _due(step, train.checkpoint_every, 0) else checkpoints.save(step)
                     raise Interrupted(f"interrupted at step {step}: saved {path}; continue with resume={out}")
+        metrics = summarize(history, results, data, cfg.batch, step)
+        board.scalars(step, {f"final/{k}": v for k, v in metrics.items()
+                             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
     finally:
         progress.close()
         board.close()
 
-    metrics = summarize(history, results, data, cfg.batch, step)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    log.info(f"done: {json.dumps(metrics)}\nrun folder: {out}")
+    log.info(f"done: {json.dumps(metrics)}\nrun folder: {out}\nTensorBoard: tensorboard --logdir {out.parent}")
     return metrics[metrics["metric"]]
 
 
