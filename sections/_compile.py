@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from ._relaxed import RelaxedFunction
 from ._structure import float_leaves
 
 
@@ -35,11 +36,23 @@ class SectionFunctions:
         self.counter = counter
         self.check = check
         self.needs_input_grad = section.index > 0
-        compile_ = lambda f: tf.function(f, jit_compile=jit_compile, reduce_retracing=False)
-        self.forward = compile_(self._forward)
-        self.forward_stored = compile_(self._forward_stored)
-        self.backward = compile_(self._backward)
-        self.fused = compile_(self._fused)
+        self._compiled = {name: RelaxedFunction(getattr(self, "_" + name), jit_compile)
+                          for name in ("forward", "forward_stored", "backward", "fused")}
+
+    def _call(self, name, h, *args):
+        return self._compiled[name](int(tf.nest.flatten(h)[0].shape[0]), h, *args)
+
+    def forward(self, h, batch):
+        return self._call("forward", h, batch)
+
+    def forward_stored(self, h, batch):
+        return self._call("forward_stored", h, batch)
+
+    def backward(self, h, batch, upstream, snapshot, expected):
+        return self._call("backward", h, batch, upstream, snapshot, expected)
+
+    def fused(self, h, batch):
+        return self._call("fused", h, batch)
 
     def _run(self, h, batch):
         self.counter.assign_add(1)
@@ -95,6 +108,4 @@ class SectionFunctions:
         return grads[: len(xs)], grads[len(xs):]
 
     def trace_counts(self) -> dict[str, int]:
-        fns = {"forward": self.forward, "forward_stored": self.forward_stored,
-               "backward": self.backward, "fused": self.fused}
-        return {f"{self.section.name}/{k}": f.experimental_get_tracing_count() for k, f in fns.items()}
+        return {f"{self.section.name}/{k}": f.tracing_count() for k, f in self._compiled.items()}

@@ -173,14 +173,14 @@ class Engine:
         # Forward: run sections 0..K-2 once, keeping only their border outputs (and stored tapes).
         meter.reset()
         borders = [batch[self.network.inputs]]
-        snapshots, tapes = [None] * last, [None] * last
+        snapshots, tapes, stored_outputs = [None] * last, [None] * last, [None] * last
         out = None
         for k in range(last):
             if self.sections[k].policy == "store":
                 tapes[k] = tf.GradientTape()
                 with tapes[k]:
                     tapes[k].watch(fns[k]._sources(borders[k]))
-                    out = fns[k].forward_stored(borders[k], batch)
+                    out = stored_outputs[k] = fns[k].forward_stored(borders[k], batch)
             else:
                 out, snapshots[k] = fns[k].forward(borders[k], batch)
             borders.append(out)
@@ -196,19 +196,23 @@ class Engine:
             if k == last:
                 loss, upstream, var_grads = fns[k].fused(borders[k], batch)
             elif tapes[k] is not None:
-                upstream, var_grads = fns[k].stored_backward(tapes[k], borders[k], borders[k + 1], upstream)
-                tapes[k] = None
+                upstream, var_grads = fns[k].stored_backward(tapes[k], borders[k], stored_outputs[k], upstream)
+                tapes[k] = stored_outputs[k] = None
             else:
                 expected = borders[k + 1] if self.check else None
                 upstream, var_grads, diff = fns[k].backward(borders[k], batch, upstream, snapshots[k], expected)
                 if self.check:
                     self._raise_on_mismatch(k, float(diff))
                 snapshots[k] = None
-            if k < last:
+            # Section k's input is spent once its own backward is done (check mode keeps it one section
+            # longer, to compare against the re-run of section k-1).
+            if not self.check:
+                borders[k] = None
+            elif k < last:
                 borders[k + 1] = None
             self._accumulate(grads, self.sections[k].variables, var_grads)
             peaks[k] = meter.peak()
-        borders[0] = None
+        borders.clear()
         meter.reset()
         self._apply(*self._present(grads))
         step_peak = max(step_peak, *peaks, meter.peak())

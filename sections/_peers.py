@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from ._relaxed import RelaxedFunction
+
 
 class PeerStep:
     """One compiled training step over the whole network.
@@ -20,13 +22,14 @@ class PeerStep:
         self.counters = counters
         self.strategy = strategy
         self.variables = network.trainable_variables
-        self._step = tf.function(self._fn, jit_compile=jit_compile)
+        self._step = RelaxedFunction(self._fn, jit_compile)
 
     def __call__(self, batch):
-        return self._step(batch)
+        size = int(tf.nest.flatten(batch[self.network.inputs])[0].shape[0])
+        return self._step(size, batch)
 
     def trace_count(self) -> int:
-        return self._step.experimental_get_tracing_count()
+        return self._step.tracing_count()
 
     def _section_fn(self, sec, batch, structure):
         def run(*flat):
