@@ -55,14 +55,15 @@ class SweepReport(Callback):
         failed = [(job, s) for job, s in statuses if s.get("status") != "completed"]
         print(f"[sweep] {len(statuses)} jobs, {len(statuses) - len(failed)} completed, {len(failed)} failed: {sweep}",
               flush=True)
+        common = set.intersection(*(set(s.get("overrides", [])) for _, s in statuses)) if statuses else set()
+        swept = {job: " ".join(o for o in s.get("overrides", []) if o not in common) for job, s in statuses}
         for job, s in statuses:
             value = s.get("value")
             shown = f"{s.get('metric', 'value')}={value:.4g}" if isinstance(value, float) else s.get("status")
-            print(f"  {job.name}: {' '.join(s.get('overrides', []))}  ->  {shown}", flush=True)
+            print(f"  {job.name}: {swept[job]}  ->  {shown}", flush=True)
         if failed:
             print("[sweep] failed jobs:", file=sys.stderr)
             for job, s in failed:
-                print(f"  {job.name} ({' '.join(s.get('overrides', []))}): {s.get('error', s.get('status'))}",
-                      file=sys.stderr)
+                print(f"  {job.name} ({swept[job]}): {s.get('error', s.get('status'))}", file=sys.stderr)
             sys.stderr.flush()
             raise SystemExit(1)

@@ -42,15 +42,15 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
     except Exception as err:
         if not sweep:
             raise
-        log.exception("job failed")
         (out / "error.txt").write_text(traceback.format_exc())
+        log.error(f"job failed: {type(err).__name__}: {err} (traceback in {out / 'error.txt'})")
         _write(out, sweep, status | {"status": "failed", "error": f"{type(err).__name__}: {err} (see error.txt)"})
         return float("nan")
-    _write(out, sweep, status | {"status": "completed", "value": value, "metric": cfg_metric(out)})
+    _write(out, sweep, status | {"status": "completed", "value": value, "metric": _metric_name(out)})
     return value
 
 
-def cfg_metric(out: Path) -> str:
+def _metric_name(out: Path) -> str:
     metrics = out / "metrics.json"
     return json.loads(metrics.read_text()).get("metric", "value") if metrics.is_file() else "value"
 

@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner.build import Setup
-from runner.errors import Interrupted, NonFiniteLoss
+from runner.errors import ConfigError, Interrupted, NonFiniteLoss, RunnerError
 from runner.progress import Progress, human_bytes
 
 log = logging.getLogger("runner")
@@ -23,6 +23,8 @@ log = logging.getLogger("runner")
 
 def fit(cfg: DictConfig, setup: Setup, out: Path) -> float:
     """Train `cfg.train.steps` steps (continuing from `cfg.resume`); returns the final eval metric."""
+    from sections import ReplayMismatchError
+
     from runner.checkpoint import Checkpoints
     from runner.tb import Board, hparam_values
 
@@ -31,7 +33,6 @@ def fit(cfg: DictConfig, setup: Setup, out: Path) -> float:
     checkpoints = Checkpoints(out / "checkpoints", engine, batches, train.keep_checkpoints)
     start = checkpoints.restore(cfg.resume) if cfg.resume else 0
     if start >= train.steps:
-        from runner.errors import ConfigError
         raise ConfigError("train.steps", train.steps, f"must exceed the resumed run's step {start}")
 
     config_text, table = OmegaConf.to_yaml(cfg, resolve=True), engine.describe()
@@ -55,7 +56,10 @@ def fit(cfg: DictConfig, setup: Setup, out: Path) -> float:
             for step in range(start + 1, train.steps + 1):
                 batch = next(batches)
                 began = time.perf_counter()
-                stats = engine.train_step(batch)
+                try:
+                    stats = engine.train_step(batch)
+                except ReplayMismatchError as err:
+                    raise RunnerError(f"step {step}: {err}") from err
                 seconds = time.perf_counter() - began
                 if not math.isfinite(stats["loss"]):
                     raise NonFiniteLoss(f"loss is {stats['loss']} at step {step}; stopped. Last good checkpoint: "
