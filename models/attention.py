@@ -11,7 +11,6 @@ from sections import Network
 
 from ._util import SeedStream, check_image_shape, check_int, check_ints, reject_data_args, serializable
 from .losses import classification_accuracy, classification_loss
-from .resnet import PoolDense
 
 
 @tf.custom_gradient
@@ -82,20 +81,48 @@ class BernoulliAttention(keras.layers.Layer):
         return {**super().get_config(), "seed": self.seed}
 
 
+@serializable
+class Classifier(keras.layers.Layer):
+    """Flatten (keeping where the attention let features through), a hidden ReLU layer, then class logits."""
+
+    def __init__(self, num_classes: int, hidden: int = 128, seed: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.num_classes, self.hidden, self.seed = num_classes, hidden, seed
+        self.flatten = keras.layers.Flatten(name="flatten")
+        self.dense = keras.layers.Dense(hidden, activation="relu", name="dense",
+                                        kernel_initializer=keras.initializers.HeNormal(seed=seed))
+        self.logits = keras.layers.Dense(num_classes, name="logits",
+                                         kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 1))
+
+    def build(self, input_shape):
+        flat = self.flatten.compute_output_shape(input_shape)
+        self.dense.build(flat)
+        self.logits.build((flat[0], self.hidden))
+
+    def call(self, x, training=False):
+        return self.logits(self.dense(self.flatten(x)))
+
+    def get_config(self):
+        return {**super().get_config(), "num_classes": self.num_classes, "hidden": self.hidden, "seed": self.seed}
+
+
 def build_attention(
     num_classes: int = 10,
     input_shape: Sequence[int] | None = None,
     filters: Sequence[int] = (32, 64),
+    hidden: int = 128,
     bn_momentum: float = 0.9,
     seed: int = 0,
     vocab_size: int | None = None,
 ) -> Network:
-    """Blocks ``features/conv_{i}`` (conv, BN, ReLU, pool), ``attention`` (the Bernoulli gate), ``classifier``.
+    """Blocks ``features/conv_{i}`` (conv, BN, ReLU, pool), ``attention`` (the Bernoulli gate), ``classifier``
+    (flatten, hidden layer, logits).
 
     Args:
         num_classes: classes of the softmax (from the data).
         input_shape: (height, width, channels) of the images (from the data); checked, not needed.
         filters: filters of each conv-pool block.
+        hidden: units of the classifier's hidden layer.
         bn_momentum: batch-norm moving-average momentum.
         seed: makes initial weights and the attention samples reproducible.
         vocab_size: sequence data's argument; given, it raises a ValueError naming the mix-up.
@@ -103,11 +130,11 @@ def build_attention(
     reject_data_args("attention", "image data (num_classes, input_shape)", vocab_size=vocab_size)
     num_classes = check_int("num_classes", num_classes, minimum=2)
     check_image_shape(input_shape)
-    filters = check_ints("filters", filters)
+    filters, hidden = check_ints("filters", filters), check_int("hidden", hidden)
     seeds = SeedStream(seed)
     blocks = [(f"features/conv_{i}", ConvPool(f, bn_momentum, seeds(), name=f"conv_{i}"))
               for i, f in enumerate(filters)]
     blocks.append(("attention", BernoulliAttention(seeds(), name="attention")))
-    blocks.append(("classifier", PoolDense(num_classes, seeds(), name="classifier")))
+    blocks.append(("classifier", Classifier(num_classes, hidden, seeds(), name="classifier")))
     return Network(blocks, loss=classification_loss(), inputs="image",
                    metrics={"accuracy": classification_accuracy()})

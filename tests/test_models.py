@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 import models
 from models import data
-from models.attention import BernoulliAttention, bernoulli_gate
+from models.attention import BernoulliAttention, Classifier, bernoulli_gate
 from models.resnet import ConvBNReLU, PoolDense, PreActBlock
 from models.seq2seq import Decoder, Encoder
 from sections import Engine
@@ -22,7 +22,7 @@ CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
 TINY = {
     "resnet": dict(widths=[4, 8, 8], depths=[2, 2, 2]),
     "mlp": dict(hidden=[16, 8]),
-    "attention": dict(filters=[4, 8]),
+    "attention": dict(filters=[4, 8], hidden=8),
     "seq2seq": dict(embed_dim=8, units=16),
 }
 GROUP_CUTS = {
@@ -153,7 +153,7 @@ def test_bad_arguments_name_the_value(builder, kwargs, match):
 
 @pytest.mark.parametrize("layer", [
     ConvBNReLU(8, seed=3), PreActBlock(8, stride=2, dropout=0.2, seed=4), PoolDense(10, seed=5),
-    BernoulliAttention(seed=6), Encoder(13, 8, 16, "lstm", seed=7), Decoder(13, 8, 16, "gru", seed=8),
+    BernoulliAttention(seed=6), Classifier(10, 16, seed=9), Encoder(13, 8, 16, "lstm", seed=7), Decoder(13, 8, 16, "gru", seed=8),
 ])
 def test_layer_config_round_trip(layer):
     clone = type(layer).from_config(layer.get_config())
