@@ -38,8 +38,9 @@ def fit(cfg: DictConfig, setup: Setup, out: Path) -> float:
     config_text, table = OmegaConf.to_yaml(cfg, resolve=True), engine.describe()
     (out / "config.yaml").write_text(config_text)
     (out / "partition.txt").write_text(table + "\n")
+    logdir = out.parent if _in_sweep() else _outputs_root(out)
     log.info(f"run folder: {out}\n{config_text}\n{table}")
-    log.info(f"TensorBoard: tensorboard --logdir {out.parent if _in_sweep() else _outputs_root(out)}")
+    log.info(f"TensorBoard: tensorboard --logdir {logdir}")
     board = Board(out)
     board.text("config", config_text)
     board.text("partition", table)
@@ -84,7 +85,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path) -> float:
         board.close()
 
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    log.info(f"done: {json.dumps(metrics)}\nrun folder: {out}\nTensorBoard: tensorboard --logdir {out.parent}")
+    log.info(f"done: {json.dumps(metrics)}\nrun folder: {out}\nTensorBoard: tensorboard --logdir {logdir}")
     return metrics[metrics["metric"]]
 
 
