@@ -36,8 +36,9 @@ class SectionFunctions:
         self.counter = counter
         self.check = check
         self.needs_input_grad = section.index > 0
-        self._compiled = {name: RelaxedFunction(getattr(self, "_" + name), jit_compile)
-                          for name in ("forward", "forward_stored", "backward", "fused")}
+        batch_args = {"forward": (0, 1), "forward_stored": (0, 1), "backward": (0, 1, 2, 4), "fused": (0, 1)}
+        self._compiled = {name: RelaxedFunction(getattr(self, "_" + name), jit_compile, args)
+                          for name, args in batch_args.items()}
 
     def _call(self, name, h, *args):
         return self._compiled[name](int(tf.nest.flatten(h)[0].shape[0]), h, *args)

@@ -11,7 +11,7 @@ from ._compile import SectionFunctions
 from ._memory import MemoryMeter
 from ._network import Network
 from ._peers import PeerStep
-from ._profile import profile_blocks, section_activation_bytes
+from ._profile import output_specs, probe_slice, profile_blocks, section_activation_bytes
 from ._structure import nbytes
 
 STRATEGIES = ("sectioned", "whole", "recompute_grad")
@@ -104,7 +104,10 @@ class Engine:
             return
         self.network.check_batch(batch)
         self.network.build(batch)
-        self.profiles, self._input_specs = profile_blocks(self.network, batch, self.meter, self.probe_batch)
+        self._probe = probe_slice(self.network, batch, self.probe_batch)
+        self._output_specs, self._input_specs = output_specs(self.network, *self._probe)
+        if self._sections_arg == "auto" or isinstance(self._sections_arg, int) and self._sections_arg > 1:
+            self._profile()
         starts, policies = self._choose_partition(batch)
         self._make_sections(starts, policies)
         self._trainable = self.network.trainable_variables
@@ -120,8 +123,15 @@ class Engine:
         self._evaluate = tf.function(self._evaluate_fn)
         self._built = True
 
+    def _profile(self) -> list:
+        """Measure every block (compiled, on the probe slice); done once, when a choice needs it."""
+        if self.profiles is None:
+            self.profiles = profile_blocks(self.network, *self._probe, self.meter)
+            for s in self.sections:
+                s.activation_bytes = section_activation_bytes(self.profiles[s.start:s.stop], s.policy)
+        return self.profiles
+
     def _choose_partition(self, batch):
-        costs = [p.kept_bytes for p in self.profiles]
         if self._sections_arg == "auto":
             from ._planner import plan_partition
 
@@ -130,6 +140,7 @@ class Engine:
             return self.plan.starts, self.plan.policies
         if self._starts is not None:
             return self._starts, self._policies
+        costs = [p.kept_bytes for p in self.profiles] if self.profiles else [1] * len(self.network.blocks)
         return part.balanced_starts(costs, self._sections_arg), self._policies
 
     def _base_bytes(self, batch) -> int:
@@ -148,15 +159,12 @@ class Engine:
             layers = [b.layer for b in blocks[lo:hi]]
             trainable = _unique(v for layer in layers for v in layer.trainable_variables)
             state = _unique(v for layer in layers for v in layer.non_trainable_variables)
-            if lo == 0:
-                in_specs = self._input_specs
-            else:
-                in_specs = self.profiles[lo - 1].output_specs
+            in_specs = self._input_specs if lo == 0 else self._output_specs[lo - 1]
             self.sections.append(part.Section(
                 index=k, start=lo, stop=hi, block_names=[b.name for b in blocks[lo:hi]],
                 policy=policies[k], variables=trainable, state_variables=state,
                 input_bytes=nbytes(in_specs), input_specs=in_specs,
-                activation_bytes=section_activation_bytes(self.profiles[lo:hi]),
+                activation_bytes=section_activation_bytes(self.profiles[lo:hi], policies[k]) if self.profiles else 0,
             ))
 
     # ------------------------------------------------------------------ the step
@@ -280,6 +288,7 @@ class Engine:
     def partition_rows(self) -> list[dict]:
         """The partition as table rows."""
         self._require_built()
+        self._profile()
         rows = []
         for s in self.sections:
             last = s.index == len(self.sections) - 1

@@ -22,7 +22,7 @@ class PeerStep:
         self.counters = counters
         self.strategy = strategy
         self.variables = network.trainable_variables
-        self._step = RelaxedFunction(self._fn, jit_compile)
+        self._step = RelaxedFunction(self._fn, jit_compile, batch_args=(0,))
 
     def __call__(self, batch):
         size = int(tf.nest.flatten(batch[self.network.inputs])[0].shape[0])

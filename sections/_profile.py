@@ -1,4 +1,6 @@
-"""A short probe of each block at a small batch: border shapes and activation memory, scaled to the real batch."""
+"""A short probe of each block at a small batch: border shapes, activation memory and forward time,
+scaled to the real batch. Each block is compiled the way the engine compiles a section, so the
+memory measured is what a compiled backward keeps, not what an eager tape would."""
 
 from __future__ import annotations
 
@@ -9,77 +11,123 @@ import keras
 import tensorflow as tf
 
 from ._memory import MemoryMeter
-from ._structure import batch_size, float_leaves, nbytes
+from ._relaxed import RelaxedFunction
+from ._structure import float_leaves, nbytes
 
 
 @dataclass
 class BlockProfile:
     name: str
-    output_specs: object  # nested TensorSpecs at the real batch
-    output_bytes: int      # at the real batch
-    kept_bytes: int        # held by the tape after the block's forward (what a chain of blocks accumulates)
-    transient_bytes: int   # extra memory while its gradient runs (buffers freed before the next block)
-    measured: bool         # False when the allocator keeps no statistics (estimates from output bytes)
-    forward_seconds: float  # one forward at the probe batch, scaled to the real batch (the re-run cost)
+    output_specs: object    # nested TensorSpecs at the real batch
+    output_bytes: int       # at the real batch
+    kept_bytes: int         # activations its compiled backward needs (a chain of blocks accumulates these)
+    transient_bytes: int    # gradient buffers alive only while its own backward runs
+    measured: bool          # False when the allocator keeps no statistics (estimates from output bytes)
+    forward_seconds: float  # one compiled forward, scaled to the real batch (the re-run cost)
+    stored_bytes: int = 0   # what a tape keeps from its compiled forward until its backward (policy "store")
 
     @property
     def activation_bytes(self) -> int:
         return self.kept_bytes + self.transient_bytes
 
 
-def section_activation_bytes(profiles) -> int:
-    """Training memory of consecutive blocks run as one section: all kept bytes plus the largest transient."""
+def section_activation_bytes(profiles, policy: str = "recompute") -> int:
+    """Training memory of consecutive blocks run as one section: what its backward keeps (a re-run's
+    activations, or what a tape stored in the forward) plus the largest transient."""
     if not profiles:
         return 0
-    return sum(p.kept_bytes for p in profiles) + max(p.transient_bytes for p in profiles)
+    kept = sum(p.stored_bytes if policy == "store" else p.kept_bytes for p in profiles)
+    return kept + max(p.transient_bytes for p in profiles)
 
 
 def _real_specs(structure, batch: int):
     return tf.nest.map_structure(lambda t: tf.TensorSpec([batch] + t.shape.as_list()[1:], t.dtype), structure)
 
 
-def profile_blocks(network, batch, meter: MemoryMeter, probe_batch: int = 32) -> tuple[list[BlockProfile], object]:
-    """Run each block once forward and backward on the first ``probe_batch`` examples, state untouched.
+def _block_functions(block, batch):
+    state = list(block.layer.non_trainable_variables)
 
-    Returns the profiles and the TensorSpecs of the network input at the real batch.
-    """
-    real = batch_size(batch[network.inputs])
+    def forward(h, snapshot):
+        with keras.StatelessScope(state_mapping=list(zip(state, snapshot))):
+            return block(h, batch, training=True)
+
+    def train(h, snapshot):
+        with tf.GradientTape() as tape:
+            xs = float_leaves(h)
+            tape.watch(xs)
+            with keras.StatelessScope(state_mapping=list(zip(state, snapshot))):
+                out = block(h, batch, training=True)
+        ys = float_leaves(out)
+        variables = list(block.layer.trainable_variables)
+        if ys and (xs or variables):
+            return tape.gradient(ys, xs + variables, output_gradients=[tf.ones_like(y) for y in ys])
+        return []
+
+    return RelaxedFunction(forward, batch_args=(0,)), RelaxedFunction(train, batch_args=(0,))
+
+
+def probe_slice(network, batch, probe_batch: int = 32) -> tuple[dict, int]:
+    """The first ``probe_batch`` examples of a batch, and the real batch size."""
+    real = int(tf.nest.flatten(batch[network.inputs])[0].shape[0])
     pb = max(1, min(probe_batch, real))
-    scale = real / pb
-    small = tf.nest.map_structure(lambda t: t[:pb], dict(batch))
-    state = network.non_trainable_variables
-    mapping = [(v, tf.identity(v.value)) for v in state]
-    profiles = []
-    h = small[network.inputs]
+    return tf.nest.map_structure(lambda t: t[:pb], dict(batch)), real
+
+
+def output_specs(network, small, real: int) -> tuple[list, object]:
+    """Each block's output TensorSpecs at the real batch, from one eager forward of the probe slice
+    (state untouched); and the network input's."""
+    mapping = [(v, tf.identity(v.value)) for v in network.non_trainable_variables]
+    h, specs = small[network.inputs], []
     with keras.StatelessScope(state_mapping=mapping):
         for block in network.blocks:
-            block(h, small, training=True)  # warm-up: first eager call pays kernel setup
-            t0 = time.perf_counter()
-            block(h, small, training=True)
-            seconds = (time.perf_counter() - t0) * scale
-            meter.reset()
-            base = meter.current()
-            with tf.GradientTape() as tape:
-                xs = float_leaves(h)
-                tape.watch(xs)
-                out = block(h, small, training=True)
-            kept = meter.current() - base
-            ys = float_leaves(out)
-            variables = list(block.layer.trainable_variables)
-            if ys and (xs or variables):
-                tape.gradient(ys, xs + variables, output_gradients=[tf.ones_like(y) for y in ys])
-            used = meter.peak() - base
-            out_bytes = nbytes(_real_specs(out, real))
-            measured = meter.available and used > 0
-            profiles.append(BlockProfile(
-                name=block.name,
-                output_specs=_real_specs(out, real),
-                output_bytes=out_bytes,
-                kept_bytes=int(kept * scale) if measured else out_bytes,
-                transient_bytes=int(max(used - kept, 0) * scale) if measured else out_bytes,
-                measured=measured,
-                forward_seconds=seconds,
-            ))
-            h = out
-            del tape
-    return profiles, _real_specs(batch[network.inputs], real)
+            h = block(h, small, training=True)
+            specs.append(_real_specs(h, real))
+    return specs, _real_specs(small[network.inputs], real)
+
+
+def profile_blocks(network, small, real: int, meter: MemoryMeter) -> list[BlockProfile]:
+    """Run each block compiled, forward and backward, on the probe slice ``small``, state untouched;
+    figures are scaled to the ``real`` batch size."""
+    pb = int(tf.nest.flatten(small[network.inputs])[0].shape[0])
+    scale = real / pb
+    profiles = []
+    h = small[network.inputs]
+    for block in network.blocks:
+        snapshot = [tf.identity(v.value) for v in block.layer.non_trainable_variables]
+        forward, train = _block_functions(block, small)
+        out = forward(pb, h, snapshot)
+        t0 = time.perf_counter()
+        out = forward(pb, h, snapshot)
+        tf.nest.map_structure(lambda t: t.numpy(), out)
+        seconds = (time.perf_counter() - t0) * scale
+        meter.reset()
+        base = meter.current()
+        with tf.GradientTape() as tape:
+            tape.watch(float_leaves(h))
+            kept_by_tape = forward(pb, h, snapshot)
+        stored = meter.current() - base
+        del tape, kept_by_tape
+        train(pb, h, snapshot)  # the first call pays for tracing and kernel setup
+        meter.reset()
+        base = meter.current()
+        grads = train(pb, h, snapshot)
+        used = meter.peak() - base
+        del grads
+        in_bytes, out_bytes = nbytes(h), nbytes(out)
+        measured = meter.available and used > 0
+        # Besides its kept activations, a backward holds the upstream gradient, the input gradient and
+        # about one more temporary of the output's size.
+        transient = 2 * out_bytes + in_bytes
+        kept = max(used - transient, out_bytes) if measured else 2 * out_bytes
+        profiles.append(BlockProfile(
+            name=block.name,
+            output_specs=_real_specs(out, real),
+            output_bytes=nbytes(_real_specs(out, real)),
+            kept_bytes=int(kept * scale),
+            transient_bytes=int(transient * scale),
+            measured=measured,
+            forward_seconds=seconds,
+            stored_bytes=int(max(stored, out_bytes) * scale) if measured else 4 * out_bytes,
+        ))
+        h = out
+    return profiles

@@ -28,14 +28,23 @@ def _key(specs) -> tuple:
 
 
 class RelaxedFunction:
-    """Calls ``fn`` compiled once per signature with the leading batch dimension unknown."""
+    """Calls ``fn`` compiled once per signature with the leading batch dimension unknown.
 
-    def __init__(self, fn, jit_compile: bool = False):
+    ``batch_args`` are the positions of the arguments whose tensors are batch-major (others, such as
+    variable snapshots, keep their static shapes).
+    """
+
+    def __init__(self, fn, jit_compile: bool = False, batch_args: tuple[int, ...] = (0, 1)):
         self.function = tf.function(fn, jit_compile=jit_compile)
+        self.batch_args = batch_args
         self._traced: set = set()
 
     def __call__(self, batch_size: int, *args):
-        specs = tf.nest.map_structure(lambda v: _relax(v, batch_size), args)
+        specs = tuple(
+            tf.nest.map_structure(lambda v: _relax(v, batch_size), a) if i in self.batch_args
+            else tf.nest.map_structure(lambda v: _relax(v, -1), a)
+            for i, a in enumerate(args)
+        )
         key = _key(specs)
         if key not in self._traced:
             self.function.get_concrete_function(*specs)
