@@ -1,7 +1,7 @@
 """The typed schema of the runner's config, registered in Hydra's ConfigStore.
 
 `conf/config.yaml` starts from `runner_schema` (which types `engine` and `train`); each `optimizer/` option starts
-from `schema/optimizer/<name>`, so a wrong type or an unknown key fails when Hydra composes the config.
+from `optimizer_<name>_schema`, so a wrong type or an unknown key fails when Hydra composes the config.
 `model` and `data` are free-form (each builder has its own arguments) and are checked by `runner.checks`.
 """
 
@@ -103,4 +103,4 @@ def register() -> None:
     cs.store(name="runner_schema", node=Config)
     for name, node in [("adam", AdamConfig), ("adamw", AdamWConfig), ("sgd", SGDConfig), ("rmsprop", RMSpropConfig),
                        ("custom", OptimizerConfig)]:
-        cs.store(group="schema/optimizer", name=name, node=node)
+        cs.store(name=f"optimizer_{name}_schema", node=node)
