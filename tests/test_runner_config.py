@@ -33,9 +33,12 @@ def composed(*overrides: str):
 
 
 def test_help_is_fast_and_lists_the_groups():
-    began = time.monotonic()
-    proc = runner("--help")
-    assert proc.returncode == 0 and time.monotonic() - began < 2.0
+    timings = []
+    for _ in range(2):  # best of two, so a busy machine does not fail it
+        began = time.monotonic()
+        proc = runner("--help")
+        timings.append(time.monotonic() - began)
+    assert proc.returncode == 0 and min(timings) < 2.0, timings
     for group in ("model:", "data:", "optimizer:", "engine:", "train:", "experiment:"):
         assert group in proc.stdout
 
