@@ -28,10 +28,10 @@ def mnist(path: str | None = None, max_shift: int = 0) -> ImageSource:
     path = os.path.expanduser(path) if path else default_path()
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"MNIST not found at {path!r} (this data source never downloads). To get it, run "
-            f"`python -c \"import keras; keras.datasets.mnist.load_data()\"` on a machine with internet "
-            f"and copy ~/.keras/datasets/mnist.npz to {path!r}, or set data.path to a copy of mnist.npz; "
-            f"data=digits needs no download.")
+            f"MNIST not found at {path!r}; this data source never downloads. To get it, run "
+            f"`python -c \"import keras; keras.datasets.mnist.load_data()\"` on a machine with internet (it saves "
+            f"~/.keras/datasets/mnist.npz there), then copy that file to {path!r} here or set data.path to "
+            f"your copy. data=digits needs no download.")
     with np.load(path) as f:
         missing = [k for k in KEYS if k not in f.files]
         if missing:
