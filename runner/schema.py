@@ -38,6 +38,7 @@ class TrainConfig:
     progress: str = "auto"  # auto | bar | log
     seed: int = 0
     deterministic: bool = False  # tf.config.experimental.enable_op_determinism()
+    verify_exact: bool = True  # before training: one step vs one whole-graph step (state restored after)
 
 
 @dataclass

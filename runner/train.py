@@ -48,6 +48,9 @@ def fit(cfg: DictConfig, setup: Setup, out: Path) -> float:
                                 setup.sections))
     if start:
         log.info(f"resumed from {cfg.resume} at step {start}")
+    exactness = verify_exact(engine, setup.probe) if train.verify_exact else {}
+    if exactness:
+        board.text("exactness", json.dumps(exactness))
 
     eval_batch = train.eval_batch or cfg.batch
     history, results, step = [], {}, start
@@ -77,7 +80,8 @@ def fit(cfg: DictConfig, setup: Setup, out: Path) -> float:
                 if stop.requested and step < train.steps:
                     path = checkpoints.latest if _due(step, train.checkpoint_every, 0) else checkpoints.save(step)
                     raise Interrupted(f"interrupted at step {step}: saved {path}; continue with resume={out}")
-        metrics = summarize(history, results, data, cfg.batch, step)
+        metrics = {**describe_setup(engine, cfg.batch), **exactness,
+                   **summarize(history, results, data, cfg.batch, step)}
         board.scalars(step, {f"final/{k}": v for k, v in metrics.items()
                              if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
     finally:
@@ -87,6 +91,35 @@ def fit(cfg: DictConfig, setup: Setup, out: Path) -> float:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     log.info(f"done: {json.dumps(metrics)}\nrun folder: {out}\nTensorBoard: tensorboard --logdir {logdir}")
     return metrics[metrics["metric"]]
+
+
+def verify_exact(engine, batch, examples: int = 64) -> dict:
+    """Does one step of this engine equal one ordinary whole-graph step? (State is restored afterwards.)"""
+    from sections import compare_with_whole
+
+    report = compare_with_whole(engine, batch, examples=examples)
+    verdict = "equals" if report["exact"] else "DIFFERS FROM"
+    log.info(f"exactness: one {engine.strategy} step {verdict} a whole-graph step on {examples} examples "
+             f"(gradient relative error {report['gradient_rel_error']:.2g}, state max |difference| "
+             f"{report['state_max_abs_diff']:.2g}; worst: {report['worst_variable'] or '-'})")
+    return {"exact": report["exact"], "exact_gradient_rel_error": report["gradient_rel_error"],
+            "exact_state_max_abs_diff": report["state_max_abs_diff"],
+            "exact_worst_variable": report["worst_variable"]}
+
+
+def describe_setup(engine, batch: int) -> dict:
+    """What was trained and how: for reports that compare runs."""
+    info = {
+        "strategy": engine.strategy,
+        "batch": batch,
+        "num_sections": len(engine.sections),
+        "section_blocks": [len(s.block_names) for s in engine.sections],
+        "policies": [s.policy for s in engine.sections],
+        "num_blocks": len(engine.network.blocks),
+    }
+    if engine.plan is not None:
+        info.update(memory_budget_bytes=engine.plan.budget, predicted_peak_bytes=engine.plan.predicted_peak)
+    return info
 
 
 def evaluate(engine, data, batch_size: int) -> dict:

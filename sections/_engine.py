@@ -175,6 +175,31 @@ class Engine:
         batch = dict(batch)
         if self._peer is not None:
             return self._peer_step(batch)
+        loss, grads, peaks, step_peak = self._sectioned_gradients(batch)
+        self.meter.reset()
+        self._apply(*self._present(grads))
+        return {
+            "loss": float(loss),
+            "forward_runs": self._read_counters(),
+            "peak_bytes": peaks,
+            "step_peak_bytes": max(step_peak, self.meter.peak()),
+        }
+
+    def gradients(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, list]:
+        """Loss and gradients (aligned with ``network.trainable_variables``; None where a variable gets none),
+        computed as a step would, state updates included, but not applied."""
+        self.build(batch)
+        self.network.check_batch(batch)
+        batch = dict(batch)
+        if self._peer is not None:
+            loss, grads = self._peer.gradients(batch)
+        else:
+            loss, grads, _, _ = self._sectioned_gradients(batch)
+        self._read_counters()
+        return loss, list(grads)
+
+    def _sectioned_gradients(self, batch):
+        """The section cycle: the cached forward pass, then the backward from the last section to the first."""
         last = len(self.sections) - 1
         fns, meter = self._fns, self.meter
 
@@ -221,15 +246,7 @@ class Engine:
             self._accumulate(grads, self.sections[k].variables, var_grads)
             peaks[k] = meter.peak()
         borders.clear()
-        meter.reset()
-        self._apply(*self._present(grads))
-        step_peak = max(step_peak, *peaks, meter.peak())
-        return {
-            "loss": float(loss),
-            "forward_runs": self._read_counters(),
-            "peak_bytes": peaks,
-            "step_peak_bytes": step_peak,
-        }
+        return loss, grads, peaks, max(step_peak, *peaks)
 
     def _peer_step(self, batch) -> dict:
         self.meter.reset()

@@ -22,11 +22,16 @@ class PeerStep:
         self.counters = counters
         self.strategy = strategy
         self.variables = network.trainable_variables
-        self._step = RelaxedFunction(self._fn, jit_compile, batch_args=(0,))
+        self._step = RelaxedFunction(self._train, jit_compile, batch_args=(0,))
+        self._grads = RelaxedFunction(self._gradients, jit_compile, batch_args=(0,))
 
     def __call__(self, batch):
-        size = int(tf.nest.flatten(batch[self.network.inputs])[0].shape[0])
-        return self._step(size, batch)
+        """One training step; returns the loss."""
+        return self._step(_size(self.network, batch), batch)
+
+    def gradients(self, batch):
+        """Loss and gradients (aligned with ``network.trainable_variables``) without applying them."""
+        return self._grads(_size(self.network, batch), batch)
 
     def trace_count(self) -> int:
         return self._step.tracing_count()
@@ -38,7 +43,12 @@ class PeerStep:
             return tf.nest.flatten(self.network.run_blocks(h, batch, True, sec.start, sec.stop))
         return run
 
-    def _fn(self, batch):
+    def _train(self, batch):
+        loss, grads = self._gradients(batch)
+        self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, self.variables) if g is not None])
+        return loss
+
+    def _gradients(self, batch):
         with tf.GradientTape() as tape:
             h = batch[self.network.inputs]
             last = len(self.sections) - 1
@@ -51,6 +61,8 @@ class PeerStep:
                     self.counters[sec.index].assign_add(1)
                     h = self.network.run_blocks(h, batch, True, sec.start, sec.stop)
             loss = self.network.loss(h, batch)
-        grads = tape.gradient(loss, self.variables)
-        self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, self.variables) if g is not None])
-        return loss
+        return loss, tape.gradient(loss, self.variables)
+
+
+def _size(network, batch) -> int:
+    return int(tf.nest.flatten(batch[network.inputs])[0].shape[0])
