@@ -20,7 +20,7 @@ from sections import Engine
 CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
 
 TINY = {
-    "resnet": dict(widths=[4, 8, 8], depths=[2, 2, 2]),
+    "resnet": dict(widths=[4, 8, 8], depths=[2, 2, 2], dropout=0.1),
     "mlp": dict(hidden=[16, 8]),
     "attention": dict(filters=[4, 8], hidden=8),
     "seq2seq": dict(embed_dim=8, units=16),
