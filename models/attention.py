@@ -17,8 +17,8 @@ from .losses import classification_accuracy, classification_loss
 def bernoulli_gate(features, probs, noise):
     """``features * (noise < probs)``; the sample's gradient is taken as if it were ``probs``.
 
-    The gradient on ``probs`` is the incoming gradient times the gated feature map, summed over
-    the channels the map is broadcast across; ``noise`` gets none.
+    The gradient on ``probs`` is the incoming gradient times the feature map, summed over the
+    channels the map is broadcast across; ``noise`` gets none.
     """
     sample = tf.cast(noise < probs, features.dtype)
 
@@ -58,6 +58,7 @@ class BernoulliAttention(keras.layers.Layer):
 
     The uniform noise comes from a ``keras.random.SeedGenerator``, so a section re-run with the
     generator's state restored draws the same sample. Inference gates with ``p`` itself (the expectation).
+    The score's bias starts at 2 (``p`` near 0.88), so early training keeps most features.
     """
 
     def __init__(self, seed: int = 0, **kwargs):

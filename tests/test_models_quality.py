@@ -79,7 +79,7 @@ def test_mlp_on_digits_reaches_95_percent():
 
 
 def test_seq2seq_on_reversal_reaches_95_percent_token_accuracy():
-    accuracy, engine = _train("seq2seq", "sequences", steps=2000, batch_size=64, learning_rate=3e-3,
+    accuracy, _ = _train("seq2seq", "sequences", steps=2000, batch_size=64, learning_rate=3e-3,
                               weight_key="target_out")
     assert accuracy >= 0.95
 
