@@ -138,4 +138,4 @@ def build_attention(
     blocks.append(("attention", BernoulliAttention(seeds(), name="attention")))
     blocks.append(("classifier", Classifier(num_classes, hidden, seeds(), name="classifier")))
     return Network(blocks, loss=classification_loss(), inputs="image",
-                   metrics={"accuracy": classification_accuracy()})
+                   metrics={"accuracy": classification_accuracy()}, loss_fields=("label",))

@@ -69,4 +69,4 @@ def build_mlp(
               for i, units in enumerate(hidden)]
     blocks.append(("logits", DenseBlock(num_classes, None, 0.0, seeds(), name="logits")))
     return Network(blocks, loss=classification_loss(), inputs="image",
-                   metrics={"accuracy": classification_accuracy()})
+                   metrics={"accuracy": classification_accuracy()}, loss_fields=("label",))

@@ -138,4 +138,4 @@ def build_resnet(
             blocks.append((name, layer))
     blocks.append(("final_pool", PoolDense(num_classes, seeds(), name="final_pool")))
     return Network(blocks, loss=classification_loss(), inputs="image",
-                   metrics={"accuracy": classification_accuracy()})
+                   metrics={"accuracy": classification_accuracy()}, loss_fields=("label",))

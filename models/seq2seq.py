@@ -113,4 +113,5 @@ def build_seq2seq(
         ("encoder", Encoder(vocab_size, embed_dim, units, cell, seeds(), name="encoder")),
         ("decoder", Decoder(vocab_size, embed_dim, units, cell, seeds(), name="decoder"), ("target_in",)),
     ]
-    return Network(blocks, loss=sequence_loss(), inputs="source", metrics={"accuracy": token_accuracy()})
+    return Network(blocks, loss=sequence_loss(), inputs="source", metrics={"accuracy": token_accuracy()},
+                   loss_fields=("target_out",))

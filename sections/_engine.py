@@ -11,6 +11,7 @@ from ._compile import SectionFunctions
 from ._memory import MemoryMeter
 from ._network import Network
 from ._peers import PeerStep
+from ._relaxed import RelaxedFunction
 from ._profile import output_specs, probe_slice, profile_blocks, section_activation_bytes
 from ._structure import nbytes
 
@@ -117,7 +118,9 @@ class Engine:
         self._counters = [tf.Variable(0, dtype=tf.int64, trainable=False) for _ in self.sections]
         self._fns = [SectionFunctions(self.network, s, c, self.jit_compile, self.check)
                      for s, c in zip(self.sections, self._counters)]
-        self._apply = tf.function(self._apply_gradients, jit_compile=self.jit_compile)
+        self._fields = [self.network.fields_for(s.start, s.stop, list(batch)) for s in self.sections]
+        # Sparse (embedding) gradients change length with the batch's shapes: their length is left unknown.
+        self._apply = RelaxedFunction(self._apply_gradients, self.jit_compile, batch_args=())
         self._peer = PeerStep(self.network, self.optimizer, self.sections, self._counters,
                               self.strategy, self.jit_compile) if self.strategy != "sectioned" else None
         self._evaluate = tf.function(self._evaluate_fn)
@@ -177,7 +180,7 @@ class Engine:
             return self._peer_step(batch)
         loss, grads, peaks, step_peak = self._sectioned_gradients(batch)
         self.meter.reset()
-        self._apply(*self._present(grads))
+        self._apply(0, *self._present(grads))
         return {
             "loss": float(loss),
             "forward_runs": self._read_counters(),
@@ -202,6 +205,7 @@ class Engine:
         """The section cycle: the cached forward pass, then the backward from the last section to the first."""
         last = len(self.sections) - 1
         fns, meter = self._fns, self.meter
+        views = [{key: batch[key] for key in fields} for fields in self._fields]
 
         # Forward: run sections 0..K-2 once, keeping only their border outputs (and stored tapes).
         meter.reset()
@@ -213,9 +217,9 @@ class Engine:
                 tapes[k] = tf.GradientTape()
                 with tapes[k]:
                     tapes[k].watch(fns[k]._sources(borders[k]))
-                    out = stored_outputs[k] = fns[k].forward_stored(borders[k], batch)
+                    out = stored_outputs[k] = fns[k].forward_stored(borders[k], views[k])
             else:
-                out, snapshots[k] = fns[k].forward(borders[k], batch)
+                out, snapshots[k] = fns[k].forward(borders[k], views[k])
             borders.append(out)
         del out  # the borders list is the only owner, so a border dies right after its section's backward
         peaks = [0] * len(self.sections)
@@ -227,13 +231,13 @@ class Engine:
         for k in range(last, -1, -1):
             meter.reset()
             if k == last:
-                loss, upstream, var_grads = fns[k].fused(borders[k], batch)
+                loss, upstream, var_grads = fns[k].fused(borders[k], views[k])
             elif tapes[k] is not None:
                 upstream, var_grads = fns[k].stored_backward(tapes[k], borders[k], stored_outputs[k], upstream)
                 tapes[k] = stored_outputs[k] = None
             else:
                 expected = borders[k + 1] if self.check else None
-                upstream, var_grads, diff = fns[k].backward(borders[k], batch, upstream, snapshots[k], expected)
+                upstream, var_grads, diff = fns[k].backward(borders[k], views[k], upstream, snapshots[k], expected)
                 if self.check:
                     self._raise_on_mismatch(k, float(diff))
                 snapshots[k] = None
@@ -273,7 +277,7 @@ class Engine:
             if g is None:
                 continue
             i = self._var_index[id(v)]
-            grads[i] = g if grads[i] is None else grads[i] + g
+            grads[i] = g if grads[i] is None else _add_gradients(grads[i], g)
 
     def _present(self, grads: list):
         idx = tuple(i for i, g in enumerate(grads) if g is not None)
@@ -335,7 +339,7 @@ class Engine:
         counts = {}
         for f in self._fns:
             counts.update(f.trace_counts())
-        counts["apply"] = self._apply.experimental_get_tracing_count()
+        counts["apply"] = self._apply.tracing_count()
         if self._peer is not None:
             counts["peer_step"] = self._peer.trace_count()
         return counts
@@ -343,6 +347,13 @@ class Engine:
     def _require_built(self) -> None:
         if not self._built:
             raise RuntimeError("The engine is not built yet: call engine.build(batch) or train_step(batch) first.")
+
+
+def _add_gradients(a, b):
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0),
+                                a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
 def _unique(variables) -> list:

@@ -42,6 +42,9 @@ class Network:
         loss: ``loss(outputs, batch) -> scalar``; computed inside the last section.
         inputs: the batch key fed to the first block.
         metrics: ``{name: fn(outputs, batch) -> scalar}`` reported by evaluation.
+        loss_fields: the batch keys the loss and metrics read. Each section's compiled functions then see
+            only the fields their blocks (and, for the last section, the loss) read, so a field's shape
+            retraces only the sections that use it. ``None``: the last section sees the whole batch.
 
     Example:
         >>> net = Network([("stem", keras.layers.Dense(8)), ("head", keras.layers.Dense(2))],
@@ -54,6 +57,7 @@ class Network:
         loss: LossFn,
         inputs: str = "image",
         metrics: Mapping[str, LossFn] | None = None,
+        loss_fields: Sequence[str] | None = None,
     ):
         self.blocks = [b if isinstance(b, Block) else _to_block(b) for b in blocks]
         if not self.blocks:
@@ -67,6 +71,7 @@ class Network:
         self.loss = loss
         self.inputs = inputs
         self.metrics = dict(metrics or {})
+        self.loss_fields = None if loss_fields is None else tuple(loss_fields)
 
     @property
     def block_names(self) -> list[str]:
@@ -78,6 +83,14 @@ class Network:
         keys = [self.inputs]
         for b in self.blocks:
             keys += [f for f in b.fields if f not in keys]
+        return keys + [f for f in self.loss_fields or () if f not in keys]
+
+    def fields_for(self, start: int, stop: int | None, batch_keys) -> list[str]:
+        """The batch keys blocks ``start..stop-1`` read; the last blocks also get the loss's."""
+        keys = list(dict.fromkeys(f for b in self.blocks[start:stop] for f in b.fields))
+        if stop is None or stop >= len(self.blocks):
+            extra = batch_keys if self.loss_fields is None else self.loss_fields
+            keys += [k for k in extra if k not in keys]
         return keys
 
     @property

@@ -12,6 +12,13 @@ import tensorflow as tf
 
 
 def _relax(value, batch: int):
+    if isinstance(value, tf.IndexedSlices):
+        # Sparse gradients: how many rows they carry varies from batch to batch.
+        values = tf.TensorShape(value.values.shape).as_list()
+        return tf.IndexedSlicesSpec(
+            shape=tf.TensorShape([None] + values[1:]), dtype=value.dtype, indices_dtype=value.indices.dtype,
+            dense_shape_dtype=None if value.dense_shape is None else value.dense_shape.dtype,
+            indices_shape=tf.TensorShape([None]))
     if isinstance(value, (tf.Tensor, tf.Variable)) or hasattr(value, "shape") and hasattr(value, "dtype"):
         shape = tf.TensorShape(value.shape).as_list()
         if shape and shape[0] == batch:

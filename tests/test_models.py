@@ -251,9 +251,6 @@ def test_seq2seq_sections_trace_once_per_bucket_not_per_pair():
     assert whole.experimental_get_tracing_count() == 6
 
 
-@pytest.mark.xfail(reason="the Engine hands each section the whole batch, so a section's traces depend on every "
-                          "batch field's shape; needs per-section batch fields (and the loss's label keys)",
-                   strict=False)
 def test_engine_traces_seq2seq_sections_once_per_bucket():
     src, batches = _seq2seq_bucket_batches([3, 5], [2, 4, 6])
     net = models.build_seq2seq(**src.model_args, embed_dim=8, units=16)
@@ -262,6 +259,7 @@ def test_engine_traces_seq2seq_sections_once_per_bucket():
         engine.train_step(b)
     counts = engine.trace_counts()
     assert (counts["section_0/forward"], counts["section_0/backward"], counts["section_1/fused"]) == (2, 2, 3)
+    assert counts["apply"] == 1
 
 
 @pytest.mark.parametrize("name", list(TINY))
