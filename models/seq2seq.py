@@ -24,6 +24,11 @@ def _rnn(cell: str, units: int, seed: int, **kwargs):
                  recurrent_initializer=keras.initializers.Orthogonal(seed=seed + 1), seed=seed + 2, **kwargs)
 
 
+def _embedding(vocab_size: int, embed_dim: int, seed: int) -> keras.layers.Embedding:
+    return keras.layers.Embedding(vocab_size, embed_dim, name="embed",
+                                  embeddings_initializer=keras.initializers.RandomUniform(seed=seed))
+
+
 @serializable
 class Encoder(keras.layers.Layer):
     """Token ids ``[batch, source_len]`` to the RNN's final state (padding skipped): ``h``, or ``(h, c)`` for LSTM."""
@@ -31,9 +36,7 @@ class Encoder(keras.layers.Layer):
     def __init__(self, vocab_size: int, embed_dim: int, units: int, cell: str = "gru", seed: int = 0, **kwargs):
         super().__init__(**kwargs)
         self.vocab_size, self.embed_dim, self.units, self.cell, self.seed = vocab_size, embed_dim, units, cell, seed
-        self.embed = keras.layers.Embedding(vocab_size, embed_dim,
-                                            embeddings_initializer=keras.initializers.RandomUniform(seed=seed),
-                                            name="embed")
+        self.embed = _embedding(vocab_size, embed_dim, seed)
         self.rnn = _rnn(cell, units, seed + 1, return_state=True, name="rnn")
 
     def build(self, input_shape):
@@ -56,9 +59,7 @@ class Decoder(keras.layers.Layer):
     def __init__(self, vocab_size: int, embed_dim: int, units: int, cell: str = "gru", seed: int = 0, **kwargs):
         super().__init__(**kwargs)
         self.vocab_size, self.embed_dim, self.units, self.cell, self.seed = vocab_size, embed_dim, units, cell, seed
-        self.embed = keras.layers.Embedding(vocab_size, embed_dim,
-                                            embeddings_initializer=keras.initializers.RandomUniform(seed=seed),
-                                            name="embed")
+        self.embed = _embedding(vocab_size, embed_dim, seed)
         self.rnn = _rnn(cell, units, seed + 1, return_sequences=True, name="rnn")
         self.logits = keras.layers.Dense(vocab_size, kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 3),
                                          name="logits")

@@ -111,11 +111,12 @@ def plots(runs: list[dict], out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     markers = {"whole": "s", "recompute_grad": "^", "sectioned": "o"}
+    colors = {"whole": "tab:green", "recompute_grad": "tab:orange", "sectioned": "tab:blue"}
     for r in runs:
         if r["time_ratio"] is None or r["peak_ratio"] is None:
             continue
         ax.scatter(r["peak_ratio"], r["time_ratio"], marker=markers.get(r["strategy"], "x"),
-                   label=r["strategy"])
+                   color=colors.get(r["strategy"], "black"), label=r["strategy"])
         ax.annotate(f"{r['num_sections']}s b{r['batch']}", (r["peak_ratio"], r["time_ratio"]), fontsize=6)
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))

@@ -9,7 +9,7 @@ import tensorflow as tf
 from . import _partition as part
 from ._compile import SectionFunctions
 from ._memory import MemoryMeter
-from ._network import Network
+from ._network import Network, unique_variables
 from ._peers import PeerStep
 from ._relaxed import RelaxedFunction
 from ._profile import output_specs, probe_slice, profile_blocks, section_activation_bytes
@@ -55,7 +55,7 @@ class Engine:
         jit_compile: bool = False,
         check: bool = False,
         memory_budget: int | str | None = None,
-        probe_batch: int = 32,
+        probe_batch: int = 64,
         device: str | None = None,
     ):
         if not isinstance(network, Network):
@@ -160,8 +160,8 @@ class Engine:
         bounds = [0, *starts, len(blocks)]
         for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             layers = [b.layer for b in blocks[lo:hi]]
-            trainable = _unique(v for layer in layers for v in layer.trainable_variables)
-            state = _unique(v for layer in layers for v in layer.non_trainable_variables)
+            trainable = unique_variables(v for layer in layers for v in layer.trainable_variables)
+            state = unique_variables(v for layer in layers for v in layer.non_trainable_variables)
             in_specs = self._input_specs if lo == 0 else self._output_specs[lo - 1]
             self.sections.append(part.Section(
                 index=k, start=lo, stop=hi, block_names=[b.name for b in blocks[lo:hi]],
@@ -354,15 +354,6 @@ def _add_gradients(a, b):
         return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0),
                                 a.dense_shape)
     return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
-
-
-def _unique(variables) -> list:
-    seen, out = set(), []
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            out.append(v)
-    return out
 
 
 def _span(names: list[str]) -> str:

@@ -99,11 +99,11 @@ class Network:
 
     @property
     def trainable_variables(self) -> list:
-        return _unique(v for layer in self.layers for v in layer.trainable_variables)
+        return unique_variables(v for layer in self.layers for v in layer.trainable_variables)
 
     @property
     def non_trainable_variables(self) -> list:
-        return _unique(v for layer in self.layers for v in layer.non_trainable_variables)
+        return unique_variables(v for layer in self.layers for v in layer.non_trainable_variables)
 
     @property
     def variables(self) -> list:
@@ -150,7 +150,8 @@ def _to_block(item) -> Block:
     return Block(name, layer, fields)
 
 
-def _unique(variables) -> list:
+def unique_variables(variables) -> list:
+    """Variables in first-seen order, each once (a layer may appear in several blocks)."""
     seen, out = set(), []
     for v in variables:
         if id(v) not in seen:
