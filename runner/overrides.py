@@ -34,6 +34,40 @@ def check_overrides(args: list[str], conf_dir: str) -> None:
         if key.split(".")[0] in ("hydra", *groups) and not _schema_node(key):
             continue
         _check_key(key, o, groups)
+    _check_group_keys(overrides, conf_dir)
+
+
+_FREE_GROUPS = ("model", "data", "optimizer")
+
+
+def _check_group_keys(overrides, conf_dir: str) -> None:
+    """`model.x=...`, `data.x=...`, `optimizer.x=...` must name a key the chosen option has."""
+    wanted = [o for o in overrides if o.key_or_group.split(".")[0] in _FREE_GROUPS and "." in o.key_or_group
+              and not (o.is_add() or o.is_force_add() or o.is_delete())]
+    if not wanted:
+        return
+    choices = [o.input_line for o in overrides
+               if "." not in o.key_or_group and not o.is_sweep_override() and o.input_line
+               and (Path(conf_dir) / o.key_or_group.split("/")[0]).is_dir()]
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    try:
+        with initialize_config_dir(config_dir=conf_dir, version_base="1.3", job_name="check"):
+            cfg = compose("config", overrides=choices)
+    except HydraException:
+        return  # a bad group choice; Hydra or the checks above report it
+    for o in wanted:
+        group, *path = o.key_or_group.split(".")
+        node = cfg[group]
+        for depth, part in enumerate(path):
+            if not OmegaConf.is_dict(node) or part not in node:
+                where = ".".join([group, *path[:depth]])
+                has = ", ".join(str(k) for k in node) if OmegaConf.is_dict(node) else "no keys"
+                hint = f" (+{o.key_or_group}=... adds a new key)" if group != "optimizer" else ""
+                raise ConfigError(o.key_or_group, _shown(o), f"unknown key; {where} has: {has}{hint}")
+            node = node[part]
 
 
 def _check_option(group: Path, override) -> None:
