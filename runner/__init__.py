@@ -1,6 +1,6 @@
 """The declarative runner: compose a Hydra config, train section by section, log, checkpoint.
 
-    python -m runner                                      # resnet on digits, ~3 min on 2 CPU cores
+    python -m runner                                      # resnet on digits, ~1.5 min on 2 CPU cores
     python -m runner model=resnet sections=4 batch=7500
     python -m runner -m batch=256,512 sections=1,2,4      # a sweep: outputs/multirun/<date>/<time>/<job>/
     python -m runner -m hydra/launcher=joblib hydra.launcher.n_jobs=2 batch=256,512   # jobs in parallel processes
