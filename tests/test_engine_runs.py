@@ -74,3 +74,22 @@ def test_recompute_peak_is_well_under_whole_graph_peak():
         peaks[strategy] = engine.train_step(batch)["step_peak_bytes"]
     print("peak bytes", peaks, "ratio", peaks["sectioned"] / peaks["whole"])
     assert peaks["sectioned"] < 0.6 * peaks["whole"]
+
+
+def test_each_border_is_freed_once_its_section_is_done(monkeypatch):
+    """Live memory before the backward of section k holds borders 0..k: one border less per section."""
+    from sections import _memory
+
+    batch = make_batch(n=64, size=16, classes=10)
+    engine = Engine(conv_stack(depth=8, filters=16), keras.optimizers.SGD(0.1), sections=9)
+    engine.train_step(batch)
+    if not engine.meter.available:
+        pytest.skip("the allocator keeps no statistics on this device")
+    live = []
+    original = _memory.MemoryMeter.reset
+    monkeypatch.setattr(_memory.MemoryMeter, "reset", lambda self: (original(self), live.append(self.current())))
+    engine.train_step(batch)
+    border = 64 * 16 * 16 * 16 * 4
+    before_backward = live[1:10]  # resets: forward, then the backward of sections 8, 7, ..., 0
+    drops = [a - b for a, b in zip(before_backward[1:], before_backward[2:])]
+    assert all(0.9 * border <= d <= 1.2 * border for d in drops), (drops, border)
