@@ -147,11 +147,11 @@ def twin_networks(factory, batch):
     return a, b
 
 
-def reference_train(network, batch, optimizer, steps: int) -> list[float]:
-    """An ordinary whole-graph GradientTape loop: the ground truth the engine must equal."""
+def reference_train(network, batches, optimizer) -> list[float]:
+    """An ordinary whole-graph GradientTape loop, one step per batch: the ground truth the engine must equal."""
     optimizer.build(network.trainable_variables)
     losses = []
-    for _ in range(steps):
+    for batch in batches:
         with tf.GradientTape() as tape:
             loss = network.loss(network.forward(batch, training=True), batch)
         grads = tape.gradient(loss, network.trainable_variables)

@@ -29,7 +29,7 @@ def test_sectioned_step_equals_whole_graph_step(sections, policy):
     batch = make_batch()
     ref, net = twin_networks(hard_network, batch)
     before = [v.numpy().copy() for v in ref.non_trainable_variables]
-    ref_losses = reference_train(ref, batch, keras.optimizers.Adam(1e-2), STEPS)
+    ref_losses = reference_train(ref, [batch] * STEPS, keras.optimizers.Adam(1e-2))
 
     optimizer = keras.optimizers.Adam(1e-2)
     engine = Engine(net, optimizer, sections=sections, policy=policy, check=True)
@@ -59,7 +59,7 @@ def test_learning_rate_schedule_advances_once_per_step():
     batch = make_batch()
     ref, net = twin_networks(hard_network, batch)
     schedule = lambda: keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=1, decay_rate=0.5)
-    reference_train(ref, batch, keras.optimizers.Adam(schedule()), 3)
+    reference_train(ref, [batch] * 3, keras.optimizers.Adam(schedule()))
     engine = Engine(net, keras.optimizers.Adam(schedule()), sections=5)
     for _ in range(3):
         engine.train_step(batch)
@@ -69,7 +69,7 @@ def test_learning_rate_schedule_advances_once_per_step():
 def test_whole_strategy_equals_reference():
     batch = make_batch()
     ref, net = twin_networks(hard_network, batch)
-    reference_train(ref, batch, keras.optimizers.Adam(1e-2), 2)
+    reference_train(ref, [batch] * 2, keras.optimizers.Adam(1e-2))
     engine = Engine(net, keras.optimizers.Adam(1e-2), sections=3, strategy="whole")
     for _ in range(2):
         stats = engine.train_step(batch)
@@ -82,7 +82,7 @@ def test_recompute_grad_reruns_and_misses_batch_norm_statistics():
     updates the moving statistics a second time: the comparison above detects exactly this."""
     batch = make_batch()
     ref, net = twin_networks(hard_network, batch)
-    reference_train(ref, batch, keras.optimizers.Adam(1e-2), 1)
+    reference_train(ref, [batch], keras.optimizers.Adam(1e-2))
     engine = Engine(net, keras.optimizers.Adam(1e-2), sections=["split", "gate"], strategy="recompute_grad")
     stats = engine.train_step(batch)
     assert stats["forward_runs"] == [2, 2, 1]

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 import models
 from models import data
+from engine_nets import reference_train
 from models.attention import BernoulliAttention, Classifier, bernoulli_gate
 from models.resnet import ConvBNReLU, PoolDense, PreActBlock
 from models.seq2seq import Decoder, Encoder
@@ -60,18 +61,6 @@ def _groups(net):
     return list(dict.fromkeys(b.group for b in net.blocks))
 
 
-def _reference_steps(net, batches, optimizer):
-    """A plain whole-graph GradientTape loop."""
-    losses = []
-    for batch in batches:
-        with tf.GradientTape() as tape:
-            loss = net.loss(net.forward(batch, training=True), batch)
-        grads = tape.gradient(loss, net.trainable_variables)
-        optimizer.apply_gradients(zip(grads, net.trainable_variables))
-        losses.append(float(loss))
-    return losses
-
-
 def _assert_same_variables(a, b, rtol=1e-4, atol=1e-5):
     assert [v.shape for v in a.variables] == [v.shape for v in b.variables]
     for va, vb in zip(a.variables, b.variables):
@@ -106,7 +95,7 @@ def test_sectioned_steps_equal_whole_graph_steps(name, digits, reversal):
     whole.build(batches[0])
     engine = Engine(sectioned, keras.optimizers.Adam(1e-2), sections=GROUP_CUTS[name], policy="recompute", check=True)
     losses = [engine.train_step(b)["loss"] for b in batches]
-    reference = _reference_steps(whole, batches, keras.optimizers.Adam(1e-2))
+    reference = reference_train(whole, batches, keras.optimizers.Adam(1e-2))
     assert len(engine.sections) == len(GROUP_CUTS[name]) + 1
     np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-5)
     _assert_same_variables(sectioned, whole)
