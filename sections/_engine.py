@@ -38,6 +38,7 @@ class Engine:
         check: compare each re-run's output with its cached border and raise on a mismatch.
         memory_budget: bytes (or a string like ``"2GiB"``) for ``sections="auto"``.
         probe_batch: examples used by the per-block memory probe.
+        device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``).
 
     Example:
         >>> engine = Engine(net, keras.optimizers.Adam(1e-3), sections=4)

@@ -47,7 +47,8 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
             continue
         if a is None:
             continue
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        a = np.asarray(tf.convert_to_tensor(a), np.float64)  # sparse (embedding) gradients densified
+        b = np.asarray(tf.convert_to_tensor(b), np.float64)
         rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
         if rel > worst_rel:
             worst_rel, worst_name = rel, v.path

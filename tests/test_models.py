@@ -261,3 +261,13 @@ def test_model_yaml_instantiates_and_default_sections_resolve(name, digits, reve
     cut_names = {n for b in net.blocks for n in (b.name, b.group)}
     assert set(default_sections) <= cut_names
     assert net.metrics.keys() == {"accuracy"}
+
+
+def test_compare_with_whole_handles_sparse_embedding_gradients():
+    from sections import compare_with_whole
+
+    src, batches = _seq2seq_bucket_batches([3], [4])
+    net = models.build_seq2seq(**src.model_args, embed_dim=8, units=16)
+    engine = Engine(net, keras.optimizers.Adam(1e-3), sections=["decoder"])
+    report = compare_with_whole(engine, batches[0])
+    assert report["exact"], report

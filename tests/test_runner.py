@@ -188,3 +188,17 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
     step = int(err.split("interrupted at step ")[1].split(":")[0])
     assert (out / "checkpoints" / f"ckpt-{step}.index").is_file()
     assert dict(events(out)[0]["loss/train"]).keys() == set(range(1, step + 1))
+
+
+@pytest.mark.parametrize("args", [
+    ["model=mlp", "model.hidden=[16]"],
+    ["model=attention", "model.filters=[4,4]", "model.hidden=8"],
+    ["model=seq2seq", "data=sequences", "model.units=8", "model.embed_dim=4", "data.eval_size=32"],
+    ["model=resnet", "model.widths=[4,4,4]", "model.depths=[1,1,1]", "data=synthetic", "sections=auto",
+     "engine.memory_budget=1GiB"],
+], ids=["mlp", "attention", "seq2seq", "resnet-auto"])
+def test_every_model_runs_end_to_end_and_is_exact(args, tmp_path):
+    proc = runner(*args, "train=smoke", "batch=16", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["exact"] is True and metrics["step"] == 4
