@@ -71,6 +71,8 @@ def test_recompute_peak_is_well_under_whole_graph_peak():
         engine = Engine(conv_stack(depth=12, filters=16), keras.optimizers.Adam(1e-3),
                         sections=sections, strategy=strategy)
         engine.train_step(batch)
+        if not engine.meter.available:
+            pytest.skip("the allocator keeps no statistics on this device (CPU stats need oneDNN)")
         peaks[strategy] = engine.train_step(batch)["step_peak_bytes"]
     print("peak bytes", peaks, "ratio", peaks["sectioned"] / peaks["whole"])
     assert peaks["sectioned"] < 0.6 * peaks["whole"]
