@@ -66,7 +66,7 @@ def _block_functions(block, batch):
     return RelaxedFunction(forward, batch_args=(0,)), RelaxedFunction(train, batch_args=(0,))
 
 
-def probe_slice(network, batch, probe_batch: int = 32) -> tuple[dict, int]:
+def probe_slice(network, batch, probe_batch: int = 64) -> tuple[dict, int]:
     """The first ``probe_batch`` examples of a batch, and the real batch size."""
     real = int(tf.nest.flatten(batch[network.inputs])[0].shape[0])
     pb = max(1, min(probe_batch, real))
