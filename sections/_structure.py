@@ -21,14 +21,5 @@ def nbytes(structure) -> int:
     return total
 
 
-def shapes(structure):
-    """The shapes of a nested structure as lists, same nesting."""
-    return tf.nest.map_structure(lambda t: t.shape.as_list(), structure)
-
-
-def batch_size(structure) -> int:
-    return int(tf.nest.flatten(structure)[0].shape[0])
-
-
 def _is_float(t) -> bool:
     return tf.as_dtype(t.dtype).is_floating

@@ -3,7 +3,6 @@
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from sections import Engine
 from engine_nets import (assert_same_variables, hard_network, make_batch, reference_train,

@@ -2,7 +2,6 @@
 
 import keras
 import pytest
-import tensorflow as tf
 
 from sections import Engine
 from engine_nets import hard_network, make_batch

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from sections import Engine, ReplayMismatchError, Network
-from engine_nets import conv_stack, hard_network, loss_fn, make_batch
+from engine_nets import conv_stack, hard_network, make_batch
 
 
 def test_forward_runs_per_policy():
