@@ -1,10 +1,32 @@
-"""sectionflow's engine: train a chain of blocks section by section, exactly like a whole-graph step."""
+"""sectionflow's engine: train a chain of blocks section by section, exactly like a whole-graph step.
 
-from ._engine import STRATEGIES, Engine, ReplayMismatchError
-from ._network import Block, Network
-from ._partition import POLICIES, Section, boundary_names
-from ._planner import Plan, parse_bytes
-from ._verify import compare_with_whole
+Names load lazily, so ``import sections.rules`` (the plain-Python rules the runner checks config with)
+does not import TensorFlow.
+"""
 
-__all__ = ["Engine", "Network", "Block", "Section", "ReplayMismatchError", "POLICIES", "STRATEGIES",
-           "boundary_names", "parse_bytes", "Plan", "compare_with_whole"]
+from importlib import import_module
+
+_EXPORTS = {
+    "Engine": "._engine", "ReplayMismatchError": "._engine",
+    "WholeGraph": "._peers", "RecomputeGrad": "._peers",
+    "Network": "._network", "Block": "._network",
+    "Section": "._partition",
+    "Policy": "._policies", "Recompute": "._policies", "Store": "._policies", "Recreate": "._policies",
+    "Plan": "._planner", "plan_partition": "._planner",
+    "compare_with_whole": "._verify",
+    "POLICIES": ".rules", "STRATEGIES": ".rules", "parse_bytes": ".rules",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'sections' has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

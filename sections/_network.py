@@ -7,6 +7,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import tensorflow as tf
 
+from . import rules
+
 LossFn = Callable[[Any, Mapping[str, tf.Tensor]], tf.Tensor]
 
 
@@ -45,6 +47,8 @@ class Network:
         loss_fields: the batch keys the loss and metrics read. Each section's compiled functions then see
             only the fields their blocks (and, for the last section, the loss) read, so a field's shape
             retraces only the sections that use it. ``None``: the last section sees the whole batch.
+        boundaries: ``{name: block index}``, the names a ``sections`` list may use and the block each
+            starts a section at. ``None``: block names and group prefixes (``scale1`` for ``scale1/...``).
 
     Example:
         >>> net = Network([("stem", keras.layers.Dense(8)), ("head", keras.layers.Dense(2))],
@@ -58,6 +62,7 @@ class Network:
         inputs: str = "image",
         metrics: Mapping[str, LossFn] | None = None,
         loss_fields: Sequence[str] | None = None,
+        boundaries: Mapping[str, int] | None = None,
     ):
         self.blocks = [b if isinstance(b, Block) else _to_block(b) for b in blocks]
         if not self.blocks:
@@ -72,6 +77,15 @@ class Network:
         self.inputs = inputs
         self.metrics = dict(metrics or {})
         self.loss_fields = None if loss_fields is None else tuple(loss_fields)
+        self.boundaries = dict(boundaries) if boundaries is not None else rules.default_boundaries(names)
+        bad = {k: v for k, v in self.boundaries.items() if not isinstance(v, int) or not 0 <= v < len(names)}
+        if bad:
+            raise ValueError(f"boundaries must map names to block indices 0..{len(names) - 1}; got {bad}.")
+
+    def boundary_starts(self, names: Sequence[str]) -> list[int]:
+        """Block indices where sections 1.. start, for a list of boundary names (ValueError naming the
+        valid ones otherwise)."""
+        return rules.resolve_boundaries(self.boundaries, names)
 
     @property
     def block_names(self) -> list[str]:

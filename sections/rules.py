@@ -1,0 +1,132 @@
+"""The engine's rules, in plain Python (no TensorFlow): policy and strategy names, the ``sections``
+argument, boundary names, and byte sizes. The runner checks config against these before anything heavy
+is imported, so ``Engine(...)`` and ``python -m runner`` give the same answer to the same bad input.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from typing import Mapping, Sequence
+
+#: Built-in per-section policies: re-run the forward in the backward (its input border kept), keep the
+#: forward's tape, or drop the input border and re-create it from the nearest kept one (multi-level).
+POLICIES = ("recompute", "store", "recreate")
+#: Training strategies: this engine, or a baseline at the same partition.
+STRATEGIES = ("sectioned", "whole", "recompute_grad")
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
+SIZE_HELP = "bytes (an integer) or a size with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 2GiB, 512MB, 1e9)"
+
+
+def parse_bytes(value, key: str = "memory_budget") -> int:
+    """Bytes from an int or a string such as ``"2GiB"``, ``"2G"``, ``"512MB"``, ``"1e9"``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{key}={value!r}: must be {SIZE_HELP}.")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        m = _SIZE.fullmatch(value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{key}={value!r}: must be {SIZE_HELP}.")
+        number, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(number) or number * _UNITS[unit] < 1:
+        raise ValueError(f"{key}={value!r}: must be a positive size, at least 1 byte.")
+    return int(number * _UNITS[unit])
+
+
+def check_policy_names(policy, allowed: Sequence[str] = POLICIES) -> None:
+    """Policy names must be known; objects (custom policies) pass through."""
+    names = [policy] if isinstance(policy, str) else list(policy) if isinstance(policy, (list, tuple)) else [policy]
+    if not names:
+        raise ValueError(f"policy=[]: give one policy name ({', '.join(allowed)}) or one per section.")
+    for p in names:
+        if isinstance(p, str) and p not in allowed:
+            raise ValueError(f"Unknown policy {p!r}; allowed: {list(allowed)}{_did_you_mean(p, allowed)}.")
+
+
+def check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"Unknown strategy {strategy!r}; allowed: {list(STRATEGIES)}"
+                         f"{_did_you_mean(str(strategy), STRATEGIES)}.")
+
+
+def check_sections_arg(sections, memory_budget=None) -> None:
+    """The shape of a ``sections`` argument, before the network is known."""
+    allowed = "must be an int >= 1, a list of boundary names, or 'auto'"
+    if isinstance(sections, bool) or not isinstance(sections, (int, list, tuple, str)):
+        raise ValueError(f"sections={sections!r}: {allowed}.")
+    if isinstance(sections, int) and sections < 1:
+        raise ValueError(f"sections={sections}: must be at least 1.")
+    if isinstance(sections, str):
+        if sections != "auto":
+            raise ValueError(f"sections={sections!r}: {allowed}.")
+        if memory_budget is None:
+            raise ValueError("sections='auto' needs memory_budget (bytes or a size like '2GiB').")
+        parse_bytes(memory_budget)
+    if isinstance(sections, (list, tuple)):
+        if not sections or not all(isinstance(n, str) and n for n in sections):
+            raise ValueError(f"sections={list(sections)!r}: a list of sections must hold one or more boundary "
+                             f"names (strings).")
+
+
+def default_boundaries(block_names: Sequence[str]) -> dict[str, int]:
+    """Boundary names of a chain of blocks, in order: each block's name, and each group prefix (before
+    ``/``) naming the group's first block. The value is the index of the block a section would start at."""
+    out: dict[str, int] = {}
+    for i, name in enumerate(block_names):
+        if "/" in name:
+            out.setdefault(name.split("/", 1)[0], i)
+        out[name] = i
+    return out
+
+
+def resolve_boundaries(boundaries: Mapping[str, int], names: Sequence[str]) -> list[int]:
+    """Block indices where sections 1.. start, from boundary names (see ``default_boundaries``)."""
+    valid = list(boundaries)
+    starts = []
+    for b in names:
+        if not isinstance(b, str) or b not in boundaries:
+            raise ValueError(f"Unknown section boundary {b!r}{_did_you_mean(str(b), valid)}; valid boundary "
+                             f"names are: {valid}.")
+        if boundaries[b] == 0:
+            raise ValueError(f"Section boundary {b!r} is the first block, which would leave the first section "
+                             f"empty; choose from: {[n for n in valid if boundaries[n] > 0]}.")
+        starts.append(boundaries[b])
+    if len(set(starts)) != len(starts):
+        raise ValueError(f"Section boundaries {list(names)} name the same place twice.")
+    if starts != sorted(starts):
+        raise ValueError(f"Section boundaries {list(names)} are out of order; they must follow the block order.")
+    return starts
+
+
+def check_section_count(sections: int, num_blocks: int, block_names: Sequence[str]) -> None:
+    if sections > num_blocks:
+        raise ValueError(f"sections={sections}: more sections than blocks; this network has {num_blocks} blocks "
+                         f"({list(block_names)}).")
+
+
+def policies_for(policy, num_sections: int) -> list:
+    """One policy per section from a single policy or a per-section list."""
+    check_policy_names(policy)
+    items = list(policy) if isinstance(policy, (list, tuple)) else [policy] * num_sections
+    if len(items) != num_sections:
+        raise ValueError(f"policy has {len(items)} entries {items} but there are {num_sections} sections; "
+                         f"give one policy or exactly one per section.")
+    return items
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _did_you_mean(word: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
