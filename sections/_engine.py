@@ -136,11 +136,12 @@ class Engine(Trainer):
         step_peak, peaks = meter.peak(), [0] * (last + 1)
         meter.reset()
         loss, upstream, var_grads = fns[last].fused(h, views[last])
+        # Check mode keeps each section's input one section longer, to compare the re-run of the one before.
+        expected = h if self.check else None
         del h
         grads: list = [None] * len(self._trainable)
         self._accumulate(grads, self.sections[last].variables, var_grads)
         peaks[last] = meter.peak()
-        expected = None
         for k in range(last - 1, -1, -1):
             meter.reset()
             if kept[k] is None:
@@ -151,7 +152,6 @@ class Engine(Trainer):
             kept[k] = None
             upstream, var_grads = policy.backward(fns[k], keeps, views[k], upstream, snapshots[k],
                                                   expected if self.check else None)
-            # Check mode keeps this section's input one section longer, to compare the re-run of section k-1.
             expected = policy.input_border(keeps) if self.check else None
             del keeps
             snapshots[k] = None
