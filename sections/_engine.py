@@ -30,8 +30,8 @@ class Engine(Trainer):
         network: the chain of blocks and its loss.
         optimizer: a Keras 3 optimizer; applied once per step over all sections' gradients.
         sections: an int (that many contiguous sections balanced by activation bytes counted from shapes),
-            a list of boundary names (where sections start), or ``"auto"`` with ``memory_budget`` (the
-            planner picks boundaries, policies and which borders to keep).
+            a list of boundary names (where sections start), ``"auto"`` with ``memory_budget`` (the
+            planner picks boundaries, policies and which borders to keep), or a ``Schedule``.
         policy: a policy name (``"recompute"``, ``"store"``, ``"recreate"``), a ``sections.Policy``, or one
             per section.
         jit_compile: compile the section functions with XLA.
@@ -51,8 +51,12 @@ class Engine(Trainer):
     def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
                  policy="recompute", jit_compile: bool = False, check: bool = False,
                  memory_budget: int | str | None = None, probe_batch: int = 64, device: str | None = None):
+        fixed = sections if isinstance(sections, Schedule) else None
+        if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
+            sections, policy = fixed.num_sections, list(fixed.policies)
         super().__init__(network, optimizer, sections, policy, jit_compile, memory_budget, probe_batch, device)
         self.check = bool(check)
+        self._fixed = fixed
         if sections != "auto":
             count = sections if isinstance(sections, int) else len(sections) + 1
             self._policies = [resolve(p) for p in rules.policies_for(policy, count)]
@@ -62,7 +66,9 @@ class Engine(Trainer):
 
     # ------------------------------------------------------------------ partition
     def _settle(self, batch):
-        if self._sections_arg == "auto":
+        if self._fixed is not None:
+            schedule = self._fixed
+        elif self._sections_arg == "auto":
             self.profiles = profile_blocks(self.network, *self._probe, self.meter)
             self.plan = self._plan()
             schedule = self.plan.schedule

@@ -59,6 +59,12 @@ class Policy:
     def __repr__(self) -> str:
         return self.name
 
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
 
 class Recompute(Policy):
     """Keep the input border; re-run the forward from it in the backward (state replayed)."""
