@@ -85,6 +85,18 @@ class RMSpropConfig(OptimizerConfig):
 
 
 @dataclass
+class DistributeConfig:
+    """How a run spreads over devices and workers (`runner.distribute`): none | mirrored | multi_worker."""
+
+    kind: str = "none"
+    cpu_devices: Optional[int] = None  # mirrored: N logical CPU devices instead of the local GPUs
+    cluster: str = "auto"  # multi_worker: auto | tf_config | slurm
+    communication: str = "auto"  # multi_worker: auto | ring | nccl
+    port_base: int = 8888  # multi_worker under SLURM: first port on each node
+    timeout_seconds: Optional[float] = None  # multi_worker: collective-op timeout
+
+
+@dataclass
 class Config:
     """The whole run. `sections`: null (the model's default, else 1), an int, a list of boundary names, or auto."""
 
@@ -93,6 +105,7 @@ class Config:
     optimizer: Any = MISSING
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distribute: DistributeConfig = field(default_factory=DistributeConfig)
     batch: int = 256
     sections: Any = None
     resume: Optional[str] = None
