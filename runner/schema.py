@@ -16,10 +16,10 @@ from omegaconf import MISSING
 
 @dataclass
 class EngineConfig:
-    """How `sections.Engine` trains the network."""
+    """Which trainer (`sections.Engine`, or a baseline `sections.WholeGraph` / `sections.RecomputeGrad`) and how."""
 
-    strategy: str = "sectioned"  # sectioned | whole | recompute_grad
-    policy: Any = "recompute"  # recompute | store, or a list with one per section
+    _target_: str = "sections.Engine"
+    policy: Any = "recompute"  # recompute | store | recreate, or a list with one per section
     jit_compile: bool = False
     check: bool = False  # compare the sectioned gradients with whole-graph ones
     memory_budget: Any = None  # bytes (int) or a size like "2GiB"; used by sections=auto

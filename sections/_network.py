@@ -144,10 +144,11 @@ class Network:
         return self.run_blocks(batch[self.inputs], batch, training)
 
     def build(self, batch) -> None:
-        """Create every layer's variables by one inference call on two examples (no state update)."""
+        """Create every layer's variables by tracing one training call. Nothing runs: no random draws, no
+        state updates, so a step after it computes what a plain loop building its layers lazily would."""
         self.check_batch(batch)
-        small = tf.nest.map_structure(lambda t: t[:2], dict(batch))
-        self.forward(small, training=False)
+        specs = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), dict(batch))
+        tf.function(lambda b: self.forward(b, training=True)).get_concrete_function(specs)
 
     @classmethod
     def from_keras(cls, model, loss: LossFn, inputs: str = "image", fields=None, **kwargs) -> "Network":
