@@ -43,7 +43,7 @@ def _resumed(cfg: DictConfig):
     from runner.resume import resumed_config, run_folder
 
     hc = HydraConfig.get() if HydraConfig.initialized() else None
-    if hc is not None and hc.mode.name == "MULTIRUN":
+    if hc is not None and getattr(hc.mode, "name", None) == "MULTIRUN":
         raise ConfigError("resume", cfg.resume, "continues one run in its own folder; it cannot be swept (-m)")
     merged, changes = resumed_config(cfg, list(hc.overrides.task) if hc else [])
     return merged, changes, run_folder(cfg.resume)

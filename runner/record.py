@@ -25,15 +25,18 @@ log = logging.getLogger("runner")
 class RunRecord:
     """What a run writes about itself into its folder `out` and its TensorBoard event file."""
 
-    def __init__(self, out: Path, cfg: DictConfig, setup, overrides: list[str], sweep: bool):
-        from runner.tb import Board
+    def __init__(self, out: Path, cfg: DictConfig, setup, overrides: list[str], sweep: bool, start_step: int = 0):
+        from runner.tb import Board, truncate_after
 
+        if start_step:
+            truncate_after(out, start_step)
         self.out, self.cfg, self.setup, self.overrides, self.sweep = out, cfg, setup, overrides, sweep
+        self.start_step = start_step
         self.board = Board(out)
 
-    def start(self, start_step: int, changes: dict) -> None:
+    def start(self, changes: dict) -> None:
         """Write config, partition and session record; print the short header."""
-        engine, cfg, out = self.setup.engine, self.cfg, self.out
+        engine, cfg, out, start_step = self.setup.engine, self.cfg, self.out, self.start_step
         config_text = OmegaConf.to_yaml(cfg, resolve=True)
         config = out / "config.yaml"
         if start_step and config.is_file() and changes:

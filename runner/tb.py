@@ -76,6 +76,27 @@ class Board:
         self.writer.close()
 
 
+def truncate_after(folder: Path, step: int) -> None:
+    """Drop events after `step` from the folder's event files: what a killed run logged past its checkpoint,
+    which the resumed run logs again, so TensorBoard shows one continuous set of curves."""
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    for path in sorted(Path(folder).glob("events.out.tfevents.*")):
+        records = []
+        try:
+            for r in tf.data.TFRecordDataset(str(path)):
+                records.append(bytes(r.numpy()))
+        except tf.errors.DataLossError:  # the last record was cut short by the kill
+            records.append(b"")
+        kept = [r for r in records if r and Event.FromString(r).step <= step]
+        if len(kept) < len(records):
+            temp = path.with_name(path.name + ".truncating")
+            with tf.io.TFRecordWriter(str(temp)) as writer:
+                for r in kept:
+                    writer.write(r)
+            temp.replace(path)
+
+
 def hparam_values(cfg: dict, choices: dict, sections) -> dict:
     """A flat `{name: bool|float|str}` of the run's config (and group choices), for `hp.hparams`.
 

@@ -40,9 +40,9 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None) -
 
     hydra = HydraConfig.get() if HydraConfig.initialized() else None
     overrides = list(hydra.overrides.task) if hydra else []
-    record = RunRecord(out, cfg, setup, overrides, sweep=_in_sweep())
+    record = RunRecord(out, cfg, setup, overrides, sweep=_in_sweep(), start_step=start)
     try:
-        record.start(start, changes)
+        record.start(changes)
         if start:
             log.info(f"resumed from {restored} at step {start}")
             apply_optimizer_changes(engine.optimizer, changes)
@@ -236,4 +236,4 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def _in_sweep() -> bool:
-    return HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN"
+    return HydraConfig.initialized() and getattr(HydraConfig.get().mode, "name", None) == "MULTIRUN"
