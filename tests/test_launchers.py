@@ -48,7 +48,7 @@ def test_slurm_and_local_launchers_extend_the_plugin_configs():
 def test_optuna_experiment_searches_learning_rate_and_batch_maximizing_the_metric():
     sweeper = hydra_config("experiment=optuna_mlp").sweeper
     assert sweeper._target_.endswith("OptunaSweeper") and sweeper.direction == "maximize"
-    assert dict(sweeper.params) == {"optimizer.learning_rate": "tag(log, interval(1e-4, 1e-1))",
+    assert dict(sweeper.params) == {"optimizer.learning_rate": "tag(log, interval(1e-4, 3e-2))",
                                     "batch": "choice(32, 64, 128)"}
 
 
@@ -88,7 +88,7 @@ def test_optuna_sweeps_four_trials_and_writes_the_best(tmp_path):
     for job in jobs:
         status = json.loads((job / "status.json").read_text())
         cfg = OmegaConf.load(job / "config.yaml")
-        assert status["status"] == "completed" and 1e-4 <= cfg.optimizer.learning_rate <= 1e-1
+        assert status["status"] == "completed" and 1e-4 <= cfg.optimizer.learning_rate <= 3e-2
         assert cfg.batch in (32, 64, 128) and cfg.model._target_ == "models.build_mlp"
         trials.append((status["value"], cfg.optimizer.learning_rate, cfg.batch))
     assert len({lr for _, lr, _ in trials}) == 4  # the sampler drew four learning rates
