@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from runner.app import CONF
@@ -39,6 +40,8 @@ def test_slurm_and_local_launchers_extend_the_plugin_configs():
     assert (slurm.timeout_min, slurm.gpus_per_node, slurm.cpus_per_task, slurm.mem_gb, slurm.array_parallelism) == (
         120, 1, 8, 64, 16)
     assert "qos" in slurm and "account" in slurm  # every field of the plugin's SlurmQueueConf
+    with pytest.raises(ConfigCompositionException):  # and its types
+        hydra_config("hydra/launcher=slurm", "hydra.launcher.timeout_min=two_hours")
     local = hydra_config("hydra/launcher=local").launcher
     assert local._target_.endswith("submitit_launcher.LocalLauncher") and local.timeout_min == 120
     for plugin in ("submitit_local", "submitit_slurm", "joblib"):  # the plugins' own configs stay reachable
