@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import math
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -26,11 +26,20 @@ def check_config(cfg: DictConfig) -> None:
     default = cfg.model.get("default_sections")
     if default is not None:
         check_sections(default, cfg.engine.memory_budget, key="model.default_sections")
-    lr = cfg.optimizer.get("learning_rate")
-    if isinstance(lr, (int, float)) and not lr > 0:
-        raise ConfigError("optimizer.learning_rate", lr, "must be a positive number")
+    _check_optimizer(cfg.optimizer)
     if cfg.resume is not None:
-        check_resume(cfg)
+        from runner.resume import run_folder
+
+        run_folder(cfg.resume)
+
+
+def _check_optimizer(optimizer: DictConfig) -> None:
+    for key, value in optimizer.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"optimizer.{key}", value, "must be a finite number")
+    lr = optimizer.get("learning_rate")
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not lr > 0:
+        raise ConfigError("optimizer.learning_rate", lr, "must be a positive number")
 
 
 TRAINERS = {"sections.Engine": "sectioned", "sections.WholeGraph": "whole", "sections.RecomputeGrad": "recompute_grad"}
@@ -75,35 +84,15 @@ def _check_train(train: DictConfig) -> None:
         _positive(train, "eval_batch", "train.")
     if train.progress not in PROGRESS:
         raise ConfigError("train.progress", train.progress, f"allowed: {', '.join(PROGRESS)}")
+    if not 0 <= train.seed < 2**32:
+        raise ConfigError("train.seed", train.seed, f"must be an integer from 0 to {2**32 - 1}")
+    window = train.get("profile_steps")
+    if window is not None and (len(window) != 2 or not 1 <= window[0] <= window[1] <= train.steps):
+        raise ConfigError("train.profile_steps", list(window), f"must be [first, last] with "
+                          f"1 <= first <= last <= train.steps ({train.steps}), or null")
 
 
 def _positive(node: DictConfig, key: str, prefix: str = "") -> None:
     value = node[key]
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(prefix + key, value, "must be a positive integer")
-
-
-def check_resume(cfg: DictConfig) -> Path:
-    """The run folder to resume: it exists, holds checkpoints, and trained the same model."""
-    folder = Path(cfg.resume).expanduser()
-    if not folder.is_dir():
-        raise ConfigError("resume", cfg.resume, "no such folder; give a run folder such as outputs/<date>/<time>")
-    saved = folder / "config.yaml"
-    if not saved.is_file() or not (folder / "checkpoints" / "checkpoint").is_file():
-        raise ConfigError("resume", cfg.resume, "not a run folder with checkpoints (config.yaml, checkpoints/)")
-    before = _model_of(OmegaConf.load(saved).get("model"))
-    now = _model_of(cfg.model)
-    if before != now:
-        raise ConfigError("resume", cfg.resume,
-                          f"that run trained a different model ({_brief(before)}); this run has {_brief(now)}")
-    return folder
-
-
-def _model_of(node) -> dict:
-    model = OmegaConf.to_container(node, resolve=True) if node is not None else {}
-    model.pop("default_sections", None)
-    return model
-
-
-def _brief(model: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in model.items())

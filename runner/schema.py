@@ -8,7 +8,7 @@ from `optimizer_<name>_schema`, so a wrong type or an unknown key fails when Hyd
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -39,6 +39,7 @@ class TrainConfig:
     seed: int = 0
     deterministic: bool = False  # tf.config.experimental.enable_op_determinism()
     verify_exact: bool = True  # before training: one step vs one whole-graph step (state restored after)
+    profile_steps: Optional[List[int]] = None  # [first, last]: a TensorBoard profile of those steps
 
 
 @dataclass

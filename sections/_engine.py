@@ -201,6 +201,14 @@ class Engine(Trainer):
     def _apply_gradients(self, grads, idx):
         self.optimizer.apply_gradients(zip(grads, [self._trainable[i] for i in idx]))
 
+    def flops(self) -> list[dict]:
+        """Forward and backward FLOPs per section at the real batch (TensorFlow's cost analysis; traces each
+        section once more, so call it once)."""
+        from ._flops import section_flops
+
+        self._require_built()
+        return section_flops(self)
+
     def _trace_counts(self) -> dict[str, int]:
         counts = {}
         for f in self._fns:

@@ -97,3 +97,13 @@ def test_each_border_is_freed_once_its_section_is_done(monkeypatch):
     before_backward = live[1:10]  # resets: forward, then the backward of sections 8, 7, ..., 0
     drops = [a - b for a, b in zip(before_backward[1:], before_backward[2:])]
     assert all(0.9 * border <= d <= 1.2 * border for d in drops), (drops, border)
+
+
+def test_flops_per_section_are_positive_and_backward_exceeds_forward():
+    batch = make_batch(n=32, size=16, classes=10)
+    engine = Engine(conv_stack(depth=4), keras.optimizers.Adam(1e-3), sections=3)
+    engine.build(batch)
+    flops = engine.flops()
+    assert len(flops) == 3
+    for f in flops:
+        assert 0 < f["forward"] < f["backward"], flops
