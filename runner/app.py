@@ -22,8 +22,28 @@ def main(cfg: DictConfig) -> float:
 
 
 def run(cfg: DictConfig, out: Path) -> float:
+    """Check `cfg`, build everything, train; `resume=<folder>` continues that run in its own folder."""
+    changes = {}
+    if cfg.resume is not None:
+        cfg, changes, out = _resumed(cfg)
     check_config(cfg)
+    from runner.quiet import load_tensorflow
+
+    load_tensorflow()
     from runner.build import build
     from runner.train import fit
 
-    return fit(cfg, build(cfg), out)
+    return fit(cfg, build(cfg), out, changes)
+
+
+def _resumed(cfg: DictConfig):
+    from hydra.core.hydra_config import HydraConfig
+
+    from runner.errors import ConfigError
+    from runner.resume import resumed_config, run_folder
+
+    hc = HydraConfig.get() if HydraConfig.initialized() else None
+    if hc is not None and getattr(hc.mode, "name", None) == "MULTIRUN":
+        raise ConfigError("resume", cfg.resume, "continues one run in its own folder; it cannot be swept (-m)")
+    merged, changes = resumed_config(cfg, list(hc.overrides.task) if hc else [])
+    return merged, changes, run_folder(cfg.resume)

@@ -31,12 +31,26 @@ class UniqueOutputDir(Callback):
     """Claims `hydra.run.dir` (or `hydra.sweep.dir`) before Hydra uses it, adding `-N` when it already exists."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        folder = claim_folder(OmegaConf.select(config, "hydra.run.dir"))
+        resume = OmegaConf.select(config, "resume")
+        if resume is not None and Path(str(resume)).expanduser().is_dir():
+            folder = Path(str(resume)).expanduser()  # a resumed run continues in its own folder
+        else:
+            try:
+                folder = claim_folder(OmegaConf.select(config, "hydra.run.dir"))
+            except OSError as err:
+                print(f"error: hydra.run.dir={OmegaConf.select(config, 'hydra.run.dir')}: cannot create the run "
+                      f"folder: {err.strerror or err}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
         with read_write(config.hydra.run):
             config.hydra.run.dir = str(folder)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        folder = str(claim_folder(OmegaConf.select(config, "hydra.sweep.dir")))
+        try:
+            folder = str(claim_folder(OmegaConf.select(config, "hydra.sweep.dir")))
+        except OSError as err:
+            print(f"error: hydra.sweep.dir={OmegaConf.select(config, 'hydra.sweep.dir')}: cannot create the sweep "
+                  f"folder: {err.strerror or err}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         with read_write(config.hydra):
             config.hydra.sweep.dir = folder
             quoted = folder.replace("\\", "\\\\").replace("'", "\\'")

@@ -1,46 +1,131 @@
-"""Run state in a `tf.train.Checkpoint`: network, optimizer state, data position and step."""
+"""Run state in a `tf.train.Checkpoint`: network, seed-generator states, optimizer state, data position, step.
+
+Only all-finite state is saved, a broken newest checkpoint falls back to the newest readable one, leftover
+`_temp` folders of a killed save are removed, and a failed write stops the run in one line.
+"""
 
 from __future__ import annotations
 
+import logging
+import re
+import shutil
 from pathlib import Path
 
 import tensorflow as tf
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, RunnerError
+
+log = logging.getLogger("runner")
+_NUMBERED = re.compile(r"^ckpt-(\d+)\.index$")
+
+
+class CheckpointWriteError(RunnerError):
+    """A checkpoint could not be written (read-only folder, disk full): the run stops, earlier ones are kept."""
 
 
 class Checkpoints:
-    """Saves to `<run>/checkpoints` every so often; restores the latest one of another run folder.
+    """Saves to `directory` every so often and restores the newest readable checkpoint found there.
 
     Args:
-        directory: where this run's checkpoints go.
+        directory: the run's `checkpoints/` folder.
         engine: a built `sections.Engine` (its network layers and optimizer variables exist).
         iterator: the training data iterator, so a resumed run sees the batches an uninterrupted run would.
         keep: how many checkpoints to keep.
     """
 
     def __init__(self, directory: Path, engine, iterator, keep: int):
+        self.directory = Path(directory)
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        self._optimizer = engine.optimizer
+        # `network.variables` lists every layer's state, seed-generator states included, which the layers'
+        # own checkpoint dependencies leave out (a SeedGenerator is not a trackable object).
+        self._variables = list(engine.network.variables)
         self.checkpoint = tf.train.Checkpoint(step=self.step, optimizer=engine.optimizer,
-                                              network=list(engine.network.layers), data=iterator)
-        self.manager = tf.train.CheckpointManager(self.checkpoint, str(directory), max_to_keep=keep)
+                                              network=list(engine.network.layers), variables=self._variables,
+                                              data=iterator)
+        self.keep = keep
+        self.manager = self._manager()
+        self._latest: str | None = None
+
+    def _manager(self) -> tf.train.CheckpointManager:
+        keep = self.keep
+        try:
+            return tf.train.CheckpointManager(self.checkpoint, str(self.directory), max_to_keep=keep)
+        except Exception as err:  # a garbled `checkpoint` state file: the numbered files are what count
+            state = self.directory / "checkpoint"
+            log.warning(f"{state} is unreadable ({_first_line(err)}); ignoring it and reading the "
+                        f"checkpoint files themselves")
+            state.unlink(missing_ok=True)
+            return tf.train.CheckpointManager(self.checkpoint, str(self.directory), max_to_keep=keep)
 
     @property
     def latest(self) -> str | None:
-        return self.manager.latest_checkpoint
+        """The newest checkpoint this run saved or restored (always all-finite)."""
+        return self._latest
 
-    def save(self, step: int) -> str:
+    def save(self, step: int) -> str | None:
+        """Save at `step`, unless some variable or optimizer slot is NaN/Inf (then warn and return None)."""
+        bad = self.nonfinite()
+        if bad:
+            log.warning(f"step {step}: {bad} holds NaN or Inf; checkpoint not saved "
+                        f"(newest all-finite one: {self.latest or 'none'})")
+            return None
+        self._remove_leftovers()
         self.step.assign(step)
-        return self.manager.save(checkpoint_number=step)
-
-    def restore(self, run_folder: str | Path) -> int:
-        """Load the latest checkpoint of `run_folder`; returns its step."""
-        path = tf.train.latest_checkpoint(str(Path(run_folder) / "checkpoints"))
-        if path is None:
-            raise ConfigError("resume", run_folder, "that run folder holds no checkpoint")
         try:
-            self.checkpoint.restore(path).assert_existing_objects_matched()
-        except (AssertionError, ValueError, tf.errors.OpError) as err:
-            first = str(err).strip().splitlines()[0]
-            raise ConfigError("resume", run_folder, f"its checkpoint does not fit this model/data: {first}") from err
-        return int(self.step.numpy())
+            self._latest = self.manager.save(checkpoint_number=step)
+            return self._latest
+        except (tf.errors.OpError, OSError) as err:
+            self._remove_leftovers()
+            raise CheckpointWriteError(f"could not write the step-{step} checkpoint in {self.directory}: "
+                                       f"{_first_line(err)}; stopped, earlier checkpoints kept "
+                                       f"(newest: {self.latest or 'none'})") from err
+
+    def nonfinite(self) -> str | None:
+        """The name of the first float variable or optimizer slot holding NaN or Inf, else None."""
+        for v in self._variables + list(self._optimizer.variables):
+            if tf.as_dtype(v.dtype).is_floating and not bool(tf.reduce_all(tf.math.is_finite(v))):
+                return getattr(v, "path", None) or v.name
+        return None
+
+    def numbered(self) -> list[tuple[int, Path]]:
+        """(step, prefix) of every checkpoint file set in the folder, newest first."""
+        if not self.directory.is_dir():
+            return []
+        found = [(int(m.group(1)), self.directory / f"ckpt-{m.group(1)}")
+                 for p in self.directory.iterdir() if (m := _NUMBERED.match(p.name))]
+        return sorted(found, reverse=True)
+
+    def restore(self) -> tuple[int, str]:
+        """Load the newest readable checkpoint of the folder; returns (its step, its path).
+
+        A checkpoint that cannot be read is named in a warning and the previous one is tried."""
+        failures = []
+        for step, prefix in self.numbered():
+            try:
+                self.checkpoint.restore(str(prefix)).assert_existing_objects_matched()
+            except (AssertionError, ValueError, tf.errors.OpError) as err:
+                failures.append(f"{prefix.name}: {_first_line(err)}")
+                log.warning(f"checkpoint {prefix} is unreadable or does not fit this run ({_first_line(err)}); "
+                            f"trying the previous one")
+                continue
+            if failures:
+                log.warning(f"resuming from {prefix.name}, the newest readable checkpoint")
+            self._latest = str(prefix)
+            return int(self.step.numpy()), str(prefix)
+        folder = self.directory.parent
+        if not failures:
+            raise ConfigError("resume", folder, "that run folder holds no checkpoint")
+        raise ConfigError("resume", folder, "no checkpoint there can be read into this model/data: "
+                          + "; ".join(failures))
+
+    def _remove_leftovers(self) -> None:
+        """`ckpt-N_temp/` folders that a killed or failed save left behind."""
+        if self.directory.is_dir():
+            for path in self.directory.glob("*_temp*"):
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0][:300]

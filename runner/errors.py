@@ -30,9 +30,13 @@ class NonFiniteLoss(RunnerError):
 
 
 class Interrupted(RunnerError):
-    """Ctrl-C: state was saved and the run stops."""
+    """Ctrl-C or SIGTERM: state was saved and the run stops (exit 128 + the signal's number)."""
 
     exit_code = 130
+
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def full_errors() -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 
 from runner.errors import ConfigError
 from runner.schema import Config
+from sections.rules import _did_you_mean
 
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
@@ -19,10 +20,18 @@ def check_overrides(args: list[str], conf_dir: str) -> None:
     from hydra.errors import HydraException
 
     candidates = [a for a in args if "=" in a and not a.startswith("-")]
+    parser = OverridesParser.create()
     try:
-        overrides = OverridesParser.create().parse_overrides(candidates)
+        overrides = parser.parse_overrides(candidates)
     except HydraException:
-        return  # Hydra reports syntax errors itself
+        for arg in candidates:
+            try:
+                parser.parse_overrides([arg])
+            except HydraException as err:
+                key, _, value = arg.partition("=")
+                why = " ".join(str(err).strip().splitlines()[0].split())
+                raise ConfigError(key, value, f"not valid override syntax: {why}") from None
+        return
     groups = sorted(p.name for p in Path(conf_dir).iterdir() if p.is_dir() and p.name != "hydra")
     searchpath = any(o.key_or_group == "hydra.searchpath" for o in overrides)
     for o in overrides:
@@ -35,6 +44,27 @@ def check_overrides(args: list[str], conf_dir: str) -> None:
             continue
         _check_key(key, o, groups)
     _check_group_keys(overrides, conf_dir)
+    _check_composes(overrides, conf_dir)
+
+
+def _check_composes(overrides, conf_dir: str) -> None:
+    """Whatever else Hydra or OmegaConf would refuse while composing, as one line (not a multi-line message)."""
+    if not overrides or any(o.is_sweep_override() for o in overrides):
+        return  # sweep values are checked one by one above; each job is checked again when it runs
+    lines = [o.input_line for o in overrides if o.input_line and not o.key_or_group.startswith("hydra")]
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=conf_dir, version_base="1.3", job_name="check"):
+            compose("config", overrides=lines)
+    except Exception as err:  # noqa: BLE001 - any composition failure becomes one line
+        cause = err.__cause__ or err
+        key = getattr(cause, "full_key", None) or getattr(cause, "key", None)
+        shown = next((o.input_line.split("=", 1)[1] for o in overrides
+                      if key and o.input_line and o.key_or_group.lstrip("+~") == key), getattr(cause, "value", ""))
+        why = getattr(cause, "msg", None) or str(cause)
+        why = " ".join(why.strip().splitlines()[0].split())
+        raise ConfigError(str(key) if key else "overrides", shown if key else " ".join(lines), why) from err
 
 
 _FREE_GROUPS = ("model", "data", "optimizer")
@@ -66,15 +96,39 @@ def _check_group_keys(overrides, conf_dir: str) -> None:
                 where = ".".join([group, *path[:depth]])
                 has = ", ".join(str(k) for k in node) if OmegaConf.is_dict(node) else "no keys"
                 hint = f" (+{o.key_or_group}=... adds a new key)" if group != "optimizer" else ""
-                raise ConfigError(o.key_or_group, _shown(o), f"unknown key; {where} has: {has}{hint}")
+                near = _did_you_mean(part, [str(k) for k in node]) if OmegaConf.is_dict(node) else ""
+                raise ConfigError(o.key_or_group, _shown(o), f"unknown key{near}; {where} has: {has}{hint}")
+            if depth == len(path) - 1:
+                _check_typed(node, part, o)
             node = node[part]
+
+
+_NODE_WORDS = {"FloatNode": "a number", "IntegerNode": "an integer", "BooleanNode": "true or false"}
+
+
+def _check_typed(parent, leaf: str, override) -> None:
+    """A value of the wrong type for a typed field of a group (e.g. `optimizer.learning_rate=abc`)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    node = parent._get_node(leaf)
+    words = _NODE_WORDS.get(type(node).__name__)
+    if words is None:
+        return
+    for value in _values(override):
+        probe = OmegaConf.create({leaf: node})
+        try:
+            probe[leaf] = value
+        except OmegaConfBaseException:
+            raise ConfigError(override.key_or_group, value, f"must be {words}") from None
 
 
 def _check_option(group: Path, override) -> None:
     options = sorted(p.stem for p in group.glob("*.yaml"))
     for value in _values(override):
         if value is not None and value not in options:
-            raise ConfigError(group.name, value, f"unknown option; allowed: {', '.join(options)}")
+            raise ConfigError(group.name, value, f"unknown option{_did_you_mean(str(value), options)}; "
+                              f"allowed: {', '.join(options)}")
 
 
 def _schema_node(key: str) -> bool:
@@ -91,7 +145,8 @@ def _check_key(key: str, override, groups: list[str]) -> None:
         if part not in hints:
             names = list(hints) + ([g for g in groups if g not in hints] if depth == 0 else [])
             where = ".".join(parts[:depth]) or "the top level"
-            raise ConfigError(key, _shown(override), f"unknown key; {where} has: {', '.join(names)} "
+            raise ConfigError(key, _shown(override), f"unknown key{_did_you_mean(part, names)}; {where} has: "
+                              f"{', '.join(names)} "
                               f"(+{key}=... adds a new key)")
         node = hints[part]
         if not dataclasses.is_dataclass(node):

@@ -39,5 +39,9 @@ class Progress:
         elif step % self.log_every == 0 or step == self.total:
             log.info(f"step {step}/{self.total}  loss {loss:.4f}  {examples_per_second:.0f} ex/s  peak {peak}")
 
+    def write(self, line: str) -> None:
+        """A line between bar updates (the bar redraws below it)."""
+        log.info(line)
+
     def close(self) -> None:
         self._stack.close()

@@ -71,32 +71,55 @@ def _fmt(x, spec: str) -> str:
 
 
 def table(runs: list[dict]) -> str:
-    head = ("| strategy | sections | policy | batch | median step s | time / whole | peak MiB | peak / whole "
-            "| forward runs | exact | planner predicted MiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| job | strategy | sections | policy | batch | median step s | time / whole | peak MiB | peak / whole "
+            "| forward runs | exact | planner predicted MiB | metric |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     order = {"whole": 0, "recompute_grad": 1, "sectioned": 2}
     for r in sorted(runs, key=lambda r: (r["batch"], order.get(r["strategy"], 3), r["num_sections"], label(r))):
         policies = ",".join(p[0] for p in r["policies"])  # r = recompute, s = store
         predicted = r.get("predicted_peak_bytes")
         rows.append(
-            f"| {r['strategy']} | {r['num_sections']} ({'+'.join(map(str, r['section_blocks']))}) | {policies} "
+            f"| {r.get('folder', '-')} | {r['strategy']} | {r['num_sections']} ({'+'.join(map(str, r['section_blocks']))}) | {policies} "
             f"| {r['batch']} | {_fmt(r['median_step_seconds'], '.3f')} | {_fmt(r['time_ratio'], '.2f')} "
             f"| {_fmt(r['step_peak_bytes'] and r['step_peak_bytes'] / MiB, '.0f')} | {_fmt(r['peak_ratio'], '.2f')} "
             f"| {r.get('forward_runs_per_section')} | {'yes' if r.get('exact') else 'no' if 'exact' in r else '-'} "
-            f"| {_fmt(predicted and predicted / MiB, '.0f')} |")
+            f"| {_fmt(predicted and predicted / MiB, '.0f')} | {_metric(r)} |")
     return head + "\n" + "\n".join(rows)
 
 
-def plots(runs: list[dict], out: Path) -> list[Path]:
+def _metric(run: dict) -> str:
+    """The run's eval metric, e.g. `accuracy 0.9833`."""
+    name = run.get("metric")
+    value = run.get(name) if name else None
+    return f"{name} {value:.4g}" if isinstance(value, (int, float)) else "-"
+
+
+def plots(runs: list[dict], out: Path) -> tuple[list[Path], list[str]]:
+    """The plots that can be drawn, and for each one that cannot, why."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    drawn, skipped = [], []
     series = defaultdict(list)
     for r in runs:
         if r.get("step_peak_bytes"):
             series[label(r)].append((r["batch"], r["step_peak_bytes"] / MiB))
+    if not series:
+        skipped.append("peak_vs_batch.png: no run measured its peak memory")
+    else:
+        drawn.append(_peak_plot(plt, series, out / "peak_vs_batch.png"))
+    compared = [r for r in runs if r["time_ratio"] is not None and r["peak_ratio"] is not None]
+    if not compared:
+        skipped.append("frontier.png: no `whole` run at the same batch to take ratios against "
+                       "(add engine=whole to the sweep)")
+    else:
+        drawn.append(_frontier_plot(plt, compared, out / "frontier.png"))
+    return drawn, skipped
+
+
+def _peak_plot(plt, series: dict, first: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in sorted(series.items()):
         points.sort()
@@ -105,16 +128,16 @@ def plots(runs: list[dict], out: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    first = out / "peak_vs_batch.png"
     fig.savefig(first, dpi=120)
     plt.close(fig)
+    return first
 
+
+def _frontier_plot(plt, runs: list[dict], second: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     markers = {"whole": "s", "recompute_grad": "^", "sectioned": "o"}
     colors = {"whole": "tab:green", "recompute_grad": "tab:orange", "sectioned": "tab:blue"}
     for r in runs:
-        if r["time_ratio"] is None or r["peak_ratio"] is None:
-            continue
         ax.scatter(r["peak_ratio"], r["time_ratio"], marker=markers.get(r["strategy"], "x"),
                    color=colors.get(r["strategy"], "black"), label=r["strategy"])
         ax.annotate(f"{r['num_sections']}s b{r['batch']}", (r["peak_ratio"], r["time_ratio"]), fontsize=6)
@@ -124,10 +147,9 @@ def plots(runs: list[dict], out: Path) -> list[Path]:
     ax.set(xlabel="peak memory / whole", ylabel="step time / whole", title="Time against memory (same batch)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    second = out / "frontier.png"
     fig.savefig(second, dpi=120)
     plt.close(fig)
-    return [first, second]
+    return second
 
 
 def report(folder: Path, out: Path | None = None) -> Path:
@@ -136,7 +158,9 @@ def report(folder: Path, out: Path | None = None) -> Path:
         raise SystemExit(f"error: no runs with metrics.json under {folder}")
     out = out or folder
     out.mkdir(parents=True, exist_ok=True)
-    pictures = plots(runs, out)
+    pictures, skipped = plots(runs, out)
+    for why in skipped:
+        print(f"skipped {why}", file=sys.stderr)
     text = [f"# Sweep report: {folder}", "", table(runs), ""]
     whole = [r for r in runs if r["strategy"] == "whole" and r.get("step_peak_bytes")]
     if whole:
@@ -160,6 +184,7 @@ def report(folder: Path, out: Path | None = None) -> Path:
             text.append(f"| {b / MiB:.0f} | {p / MiB:.0f} | {m / MiB:.0f} | {m / p:.2f} | {'yes' if m <= b else 'NO'} |")
         text.append("")
     text += [f"![{p.stem}]({p.name})" for p in pictures]
+    text += [f"Not drawn: {why}." for why in skipped]
     path = out / "report.md"
     path.write_text("\n".join(text) + "\n")
     return path

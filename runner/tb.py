@@ -1,4 +1,13 @@
-"""TensorBoard logging: one `tf.summary` writer per run folder, scalars, text and HParams."""
+"""TensorBoard logging: one `tf.summary` writer per run folder; scalars, text, HParams and a custom-scalars layout.
+
+Tags (memory in MiB, the unit in the tag):
+    loss/train, loss/eval, <metric>/eval          training loss each step; eval figures
+    memory_MiB/step_peak, memory_MiB/section_<k>  allocator peak over the step, and during section k's backward
+    forward_runs/section_<k>                      forward executions of section k in the step: 1 = ran once,
+                                                  2 = its forward was re-run once in the backward
+    time/step_seconds, throughput/examples_per_second
+    final/<figure>                                 the few end figures worth comparing across runs
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,9 @@ from pathlib import Path
 
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
+
+MiB = 2**20
+FINAL = ("loss", "eval_loss", "median_step_seconds", "examples_per_second", "step_peak_MiB")
 
 
 class Board:
@@ -18,48 +30,103 @@ class Board:
         with self.writer.as_default(step=0):
             tf.summary.text(tag, "```\n" + body + "\n```")
 
-    def hparams(self, values: dict) -> None:
-        """The run's settings for the HParams dashboard; its metrics are the run's scalars."""
+    def hparams(self, values: dict, trial: str) -> None:
+        """The run's settings for the HParams dashboard, the trial named `trial`; its metrics are the scalars."""
         with self.writer.as_default(step=0):
-            hp.hparams(values)
+            hp.hparams(values, trial_id=trial)
+
+    def layout(self, sections: int) -> None:
+        """Custom Scalars: all sections' memory in one chart, all sections' forward runs in another."""
+        from tensorboard.plugins.custom_scalar import layout_pb2
+        from tensorboard.plugins.custom_scalar import summary as custom_scalar
+
+        def chart(title: str, regex: str):
+            return layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(tag=[regex]))
+
+        layout = layout_pb2.Layout(category=[layout_pb2.Category(title=f"sections ({sections})", chart=[
+            chart("peak memory during each section's backward (MiB)", r"memory_MiB/section_\d+"),
+            chart("forward runs per section (1 = once, 2 = re-run once)", r"forward_runs/section_\d+"),
+            chart("step peak memory (MiB)", r"memory_MiB/step_peak"),
+        ])])
+        with self.writer.as_default(step=0):
+            tf.summary.experimental.write_raw_pb(custom_scalar.pb(layout).SerializeToString(), step=0)
 
     def scalars(self, step: int, values: dict) -> None:
         with self.writer.as_default(step=step):
             for tag, value in values.items():
-                tf.summary.scalar(tag, value)
+                if value is not None:
+                    tf.summary.scalar(tag, value)
 
     def train_step(self, step: int, stats: dict, seconds: float, examples: int) -> None:
-        values = {"loss/train": stats["loss"], "memory/step_peak": stats["step_peak_bytes"],
+        values = {"loss/train": stats["loss"], "memory_MiB/step_peak": _mib(stats["step_peak_bytes"]),
                   "time/step_seconds": seconds, "throughput/examples_per_second": examples / seconds}
         for k, (peak, runs) in enumerate(zip(stats["peak_bytes"], stats["forward_runs"])):
-            values[f"memory/section_{k}"] = peak
-            values[f"recompute/section_{k}"] = runs
-        self.scalars(step, {tag: value for tag, value in values.items() if value is not None})
+            values[f"memory_MiB/section_{k}"] = _mib(peak)
+            values[f"forward_runs/section_{k}"] = runs
+        self.scalars(step, values)
 
-    def flush(self) -> None:
-        self.writer.flush()
+    def final(self, step: int, metrics: dict) -> None:
+        """`final/*`: the loss, the eval metric, speed and peak memory: what a sweep compares."""
+        figures = {**metrics, "step_peak_MiB": _mib(metrics.get("step_peak_bytes"))}
+        names = [*FINAL[:2], metrics.get("metric"), *FINAL[2:]]
+        self.scalars(step, {f"final/{k}": figures.get(k) for k in dict.fromkeys(n for n in names if n)
+                            if isinstance(figures.get(k), (int, float)) and not isinstance(figures.get(k), bool)})
 
     def close(self) -> None:
         self.writer.close()
 
 
-def hparam_values(cfg, choices: dict, sections) -> dict:
-    """A flat `{name: bool|int|float|str}` of the run's config (and group choices), for `hp.hparams`."""
-    values = {g: str(choices[g]) for g in ("model", "data", "optimizer", "engine", "train", "experiment")
-              if choices.get(g) is not None}
+def truncate_after(folder: Path, step: int) -> None:
+    """Drop events after `step` from the folder's event files: what a killed run logged past its checkpoint,
+    which the resumed run logs again, so TensorBoard shows one continuous set of curves."""
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    for path in sorted(Path(folder).glob("events.out.tfevents.*")):
+        records = []
+        try:
+            for r in tf.data.TFRecordDataset(str(path)):
+                records.append(bytes(r.numpy()))
+        except tf.errors.DataLossError:  # the last record was cut short by the kill
+            records.append(b"")
+        kept = [r for r in records if r and Event.FromString(r).step <= step]
+        if len(kept) < len(records):
+            temp = path.with_name(path.name + ".truncating")
+            with tf.io.TFRecordWriter(str(temp)) as writer:
+                for r in kept:
+                    writer.write(r)
+            temp.replace(path)
+
+
+def hparam_values(cfg: dict, choices: dict, sections) -> dict:
+    """A flat `{name: bool|float|str}` of the run's config (and group choices), for `hp.hparams`.
+
+    Integers are written as text: the HParams dashboard shows every number as a float (7500.0)."""
+    values = {g: str(v) for g, v in choices.items() if v is not None}
 
     def walk(prefix: str, node) -> None:
         for key, value in node.items():
-            if key == "_target_" or key == "default_sections":
+            if key in ("_target_", "default_sections", "resume"):
                 continue
             if isinstance(value, dict):
                 walk(f"{prefix}{key}.", value)
             else:
-                values[f"{prefix}{key}"] = value if isinstance(value, (bool, int, float, str)) else _text(value)
+                values[f"{prefix}{key}"] = _hparam(value)
 
     walk("", cfg)
-    values["sections"] = sections if isinstance(sections, int) else _text(sections)
+    values["sections"] = _hparam(sections)
     return values
+
+
+def _hparam(value):
+    if isinstance(value, bool) or isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        return str(value)
+    return _text(value)
+
+
+def _mib(value):
+    return None if value is None else value / MiB
 
 
 def _text(value) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import signal
@@ -21,76 +20,110 @@ from runner.progress import Progress, human_bytes
 log = logging.getLogger("runner")
 
 
-def fit(cfg: DictConfig, setup: Setup, out: Path) -> float:
-    """Train `cfg.train.steps` steps (continuing from `cfg.resume`); returns the final eval metric."""
+def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None) -> float:
+    """Train `cfg.train.steps` steps (continuing `cfg.resume`, whose folder is `out`); returns the eval metric."""
     from sections import ReplayMismatchError
 
     from runner.checkpoint import Checkpoints
-    from runner.tb import Board, hparam_values
+    from runner.record import RunRecord, section_flops
+    from runner.resume import apply_optimizer_changes
 
-    engine, data, train = setup.engine, setup.data, cfg.train
+    engine, data, train, changes = setup.engine, setup.data, cfg.train, changes or {}
     batches = iter(data.train_batches(cfg.batch, train.seed))
     checkpoints = Checkpoints(out / "checkpoints", engine, batches, train.keep_checkpoints)
-    start = checkpoints.restore(cfg.resume) if cfg.resume else 0
-    if start >= train.steps:
-        raise ConfigError("train.steps", train.steps, f"must exceed the resumed run's step {start}")
+    start = 0
+    if cfg.resume:
+        start, restored = checkpoints.restore()
+        if start >= train.steps:
+            raise ConfigError("train.steps", train.steps, f"must exceed the resumed run's step {start} "
+                              f"(give train.steps=<more>)")
 
-    config_text, table = OmegaConf.to_yaml(cfg, resolve=True), engine.describe()
-    (out / "config.yaml").write_text(config_text)
-    (out / "partition.txt").write_text(table + "\n")
-    logdir = out.parent if _in_sweep() else _outputs_root(out)
-    log.info(f"run folder: {out}\n{config_text}\n{table}")
-    log.info(f"TensorBoard: tensorboard --logdir {logdir}")
-    board = Board(out)
-    board.text("config", config_text)
-    board.text("partition", table)
-    board.hparams(hparam_values(OmegaConf.to_container(cfg, resolve=True), HydraConfig.get().runtime.choices,
-                                setup.sections))
-    if start:
-        log.info(f"resumed from {cfg.resume} at step {start}")
-    exactness = verify_exact(engine, setup.probe) if train.verify_exact else {}
-    if exactness:
-        board.text("exactness", json.dumps(exactness))
-
-    eval_batch = train.eval_batch or cfg.batch
-    history, results, step = [], {}, start
-    progress = Progress(train.steps, start, train.progress, train.log_every)
+    hydra = HydraConfig.get() if HydraConfig.initialized() else None
+    overrides = list(hydra.overrides.task) if hydra else []
+    record = RunRecord(out, cfg, setup, overrides, sweep=_in_sweep(), start_step=start)
     try:
-        with StopOnCtrlC() as stop:
-            for step in range(start + 1, train.steps + 1):
-                batch = next(batches)
-                began = time.perf_counter()
-                try:
-                    stats = engine.train_step(batch)
-                except ReplayMismatchError as err:
-                    raise RunnerError(f"step {step}: {err}") from err
-                seconds = time.perf_counter() - began
-                if not math.isfinite(stats["loss"]):
-                    raise NonFiniteLoss(f"loss is {stats['loss']} at step {step}; stopped. Last good checkpoint: "
-                                        f"{checkpoints.latest or 'none (none saved yet)'}")
-                history.append((stats, seconds))
-                board.train_step(step, stats, seconds, cfg.batch)
-                progress.update(step, stats["loss"], cfg.batch / seconds, stats["step_peak_bytes"])
-                if _due(step, train.eval_every, train.steps):
-                    results = evaluate(engine, data, eval_batch)
-                    board.scalars(step, {f"{k}/eval": v for k, v in results.items()})
-                    log.info(f"eval @ step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in results.items()))
-                if _due(step, train.checkpoint_every, train.steps):
-                    checkpoints.save(step)
-                if stop.requested and step < train.steps:
-                    path = checkpoints.latest if _due(step, train.checkpoint_every, 0) else checkpoints.save(step)
-                    raise Interrupted(f"interrupted at step {step}: saved {path}; continue with resume={out}")
+        record.start(changes)
+        if start:
+            log.info(f"resumed from {restored} at step {start}")
+            apply_optimizer_changes(engine.optimizer, changes)
+        exactness = verify_exact(engine, setup.probe) if train.verify_exact else {}
+        if exactness:
+            record.exactness(exactness)
+
+        eval_batch = train.eval_batch or cfg.batch
+        history, results, step = [], {}, start
+        progress = Progress(train.steps, start, train.progress, train.log_every)
+        profiler = Profiler(train.get("profile_steps"), out)
+        try:
+            with StopOnSignal() as stop:
+                for step in range(start + 1, train.steps + 1):
+                    batch = next(batches)
+                    profiler.before(step)
+                    began = time.perf_counter()
+                    try:
+                        stats = engine.train_step(batch)
+                    except ReplayMismatchError as err:
+                        raise RunnerError(f"step {step}: {err}") from err
+                    seconds = time.perf_counter() - began
+                    profiler.after(step)
+                    if not math.isfinite(stats["loss"]):
+                        raise NonFiniteLoss(f"loss is {stats['loss']} at step {step}; stopped. Newest all-finite "
+                                            f"checkpoint: {checkpoints.latest or 'none (none saved yet)'}")
+                    history.append((stats, seconds))
+                    record.board.train_step(step, stats, seconds, cfg.batch)
+                    progress.update(step, stats["loss"], cfg.batch / seconds, stats["step_peak_bytes"])
+                    if _due(step, train.eval_every, train.steps):
+                        results = evaluate(engine, data, eval_batch)
+                        record.board.scalars(step, {f"{k}/eval": v for k, v in results.items()})
+                        progress.write(f"eval @ step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in results.items()))
+                    if _due(step, train.checkpoint_every, train.steps):
+                        checkpoints.save(step)
+                    if stop.requested and step < train.steps:
+                        saved = checkpoints.latest if _due(step, train.checkpoint_every, 0) else checkpoints.save(step)
+                        raise Interrupted(f"{stop.requested} at step {step}: saved {saved or 'nothing (state not finite)'}"
+                                          f"; continue with resume={out}", exit_code=stop.exit_code)
+        finally:
+            profiler.close()
+            progress.close()
         metrics = {**describe_setup(engine, cfg.batch), **exactness,
                    **summarize(history, results, data, cfg.batch, step)}
-        board.scalars(step, {f"final/{k}": v for k, v in metrics.items()
-                             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
+        flops = section_flops(engine)
+        if flops:
+            metrics["flops_per_section"] = flops
+            metrics["rerun_flops"] = sum((runs - 1) * f["forward"]
+                                         for runs, f in zip(metrics["forward_runs_per_section"], flops))
+        record.finish(step, metrics)
     finally:
-        progress.close()
-        board.close()
-
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    log.info(f"done: {json.dumps(metrics)}\nrun folder: {out}\nTensorBoard: tensorboard --logdir {logdir}")
+        record.close()
     return metrics[metrics["metric"]]
+
+
+class Profiler:
+    """`train.profile_steps=[a, b]`: a TensorBoard profile of steps a..b, written into the run folder."""
+
+    def __init__(self, steps, out: Path):
+        self.window = tuple(steps) if steps else None
+        self.out, self.active = out, False
+
+    def before(self, step: int) -> None:
+        if self.window and step == self.window[0]:
+            import tensorflow as tf
+
+            tf.profiler.experimental.start(str(self.out))
+            self.active = True
+
+    def after(self, step: int) -> None:
+        if self.active and step >= self.window[1]:
+            self.close()
+            log.info(f"profile of steps {self.window[0]}-{self.window[1]} written to {self.out / 'plugins' / 'profile'}"
+                     f" (TensorBoard's Profile tab)")
+
+    def close(self) -> None:
+        if self.active:
+            import tensorflow as tf
+
+            self.active = False
+            tf.profiler.experimental.stop()
 
 
 def verify_exact(engine, batch, examples: int = 64) -> dict:
@@ -98,11 +131,14 @@ def verify_exact(engine, batch, examples: int = 64) -> dict:
     from sections import compare_with_whole
 
     report = compare_with_whole(engine, batch, examples=examples)
-    verdict = "equals" if report["exact"] else "DIFFERS FROM"
-    log.info(f"exactness: one {engine.strategy} step {verdict} a whole-graph step on {examples} examples "
+    errors = (report["gradient_rel_error"], report["state_max_abs_diff"])
+    exact = bool(report["exact"]) and all(math.isfinite(e) for e in errors)  # NaN gradients equal nothing
+    verdict = "equals" if exact else "DIFFERS FROM"
+    strategy = getattr(engine, "strategy", type(engine).__name__)
+    log.info(f"exactness: one {strategy} step {verdict} a whole-graph step on {examples} examples "
              f"(gradient relative error {report['gradient_rel_error']:.2g}, state max |difference| "
              f"{report['state_max_abs_diff']:.2g}; worst: {report['worst_variable'] or '-'})")
-    return {"exact": report["exact"], "exact_gradient_rel_error": report["gradient_rel_error"],
+    return {"exact": exact, "exact_gradient_rel_error": report["gradient_rel_error"],
             "exact_state_max_abs_diff": report["state_max_abs_diff"],
             "exact_worst_variable": report["worst_variable"]}
 
@@ -110,14 +146,14 @@ def verify_exact(engine, batch, examples: int = 64) -> dict:
 def describe_setup(engine, batch: int) -> dict:
     """What was trained and how: for reports that compare runs."""
     info = {
-        "strategy": engine.strategy,
+        "strategy": getattr(engine, "strategy", type(engine).__name__),
         "batch": batch,
         "num_sections": len(engine.sections),
         "section_blocks": [len(s.block_names) for s in engine.sections],
         "policies": [s.policy for s in engine.sections],
         "num_blocks": len(engine.network.blocks),
     }
-    if engine.plan is not None:
+    if getattr(engine, "plan", None) is not None:
         info.update(memory_budget_bytes=engine.plan.budget, predicted_peak_bytes=engine.plan.predicted_peak)
     return info
 
@@ -167,26 +203,32 @@ def _median(values: list):
     return statistics.median(values) if values else None
 
 
-class StopOnCtrlC:
-    """The first Ctrl-C asks the loop to stop after the current step; a second one aborts at once."""
+class StopOnSignal:
+    """Ctrl-C (SIGINT) or SIGTERM (SLURM, `timeout`) asks the loop to save and stop after the current step;
+    a second one aborts at once."""
 
-    requested = False
+    requested: str | None = None
+    exit_code = 130
+    _NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
     def __enter__(self):
-        self._previous = None
+        self._previous = {}
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for sig in self._NAMES:
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("Ctrl-C: saving a checkpoint after this step (Ctrl-C again to abort without saving)")
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self.requested, self.exit_code = self._NAMES[signum], 128 + signum
+        log.warning(f"{self.requested}: saving a checkpoint after this step (send it again to abort without saving)")
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -194,9 +236,4 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def _in_sweep() -> bool:
-    return HydraConfig.get().mode.name == "MULTIRUN"
-
-
-def _outputs_root(out: Path) -> Path:
-    """`outputs` for `outputs/<date>/<time>`, else the run folder's parent."""
-    return out.parent.parent if out.parent.parent.name == "outputs" else out.parent
+    return HydraConfig.initialized() and getattr(HydraConfig.get().mode, "name", None) == "MULTIRUN"

@@ -120,7 +120,7 @@ def test_bad_batch_size_or_seed(digits, batch_size, seed, match):
 def test_mnist_absent_says_where_it_looked_and_how_to_get_it(tmp_path):
     missing = tmp_path / "nowhere" / "mnist.npz"
     with pytest.raises(FileNotFoundError) as err:
-        data.mnist(path=str(missing))
+        data.mnist(path=str(missing), download=False)
     assert str(missing) in str(err.value) and "mnist.load_data()" in str(err.value)
 
 
@@ -128,7 +128,78 @@ def test_mnist_default_path_is_the_keras_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("KERAS_HOME", str(tmp_path))
     assert mnist_default_path() == str(tmp_path / "datasets" / "mnist.npz")
     with pytest.raises(FileNotFoundError, match="datasets/mnist.npz"):
-        data.mnist()
+        data.mnist(download=False)
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A folder served over HTTP on 127.0.0.1 (never the internet): (folder, base URL)."""
+    import functools
+    import http.server
+    import threading
+
+    root = tmp_path / "served"
+    root.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_mnist_downloads_and_caches_when_missing(served, tmp_path):
+    import hashlib
+
+    root, url = served
+    _fake_mnist(root / "mnist.npz")
+    digest = hashlib.sha256((root / "mnist.npz").read_bytes()).hexdigest()
+    cached = tmp_path / "cache" / "mnist.npz"
+    source = data.mnist(path=str(cached), origin=f"{url}/mnist.npz", sha256=digest)
+    assert (source.train_size, source.test_size) == (40, 12)
+    assert cached.read_bytes() == (root / "mnist.npz").read_bytes()
+    (root / "mnist.npz").unlink()  # the second time reads the cache, no server file needed
+    assert data.mnist(path=str(cached), origin=f"{url}/mnist.npz", sha256=digest).train_size == 40
+
+
+def test_mnist_download_failure_says_where_to_put_the_file(served, tmp_path):
+    root, url = served
+    cached = tmp_path / "cache" / "mnist.npz"
+    with pytest.raises(FileNotFoundError) as err:  # the server has no such file: like being offline
+        data.mnist(path=str(cached), origin=f"{url}/mnist.npz")
+    message = str(err.value)
+    assert str(cached) in message and f"downloading {url}/mnist.npz failed" in message
+    assert "mnist.load_data()" in message and "\n" not in message and not cached.exists()
+
+
+def test_mnist_download_with_a_wrong_hash_is_refused(served, tmp_path):
+    root, url = served
+    _fake_mnist(root / "mnist.npz")
+    cached = tmp_path / "cache" / "mnist.npz"
+    with pytest.raises(FileNotFoundError, match="failed"):
+        data.mnist(path=str(cached), origin=f"{url}/mnist.npz", sha256="0" * 64)
+
+
+def test_mnist_random_bytes_are_not_a_valid_npz(tmp_path):
+    (tmp_path / "mnist.npz").write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(ValueError, match="is not a valid .npz file"):
+        data.mnist(path=str(tmp_path / "mnist.npz"))
+
+
+def test_mnist_train_and_test_shapes_must_agree(tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "mnist.npz", x_train=rng.integers(0, 256, (8, 28, 28), dtype=np.uint8),
+             y_train=np.arange(8) % 10, x_test=rng.integers(0, 256, (4, 32, 32), dtype=np.uint8),
+             y_test=np.arange(4) % 10)
+    with pytest.raises(ValueError, match="train and test images differ in shape"):
+        data.mnist(path=str(tmp_path / "mnist.npz"))
+    np.savez(tmp_path / "labels.npz", x_train=rng.integers(0, 256, (8, 28, 28), dtype=np.uint8),
+             y_train=np.arange(7) % 10, x_test=rng.integers(0, 256, (4, 28, 28), dtype=np.uint8),
+             y_test=np.arange(4) % 10)
+    with pytest.raises(ValueError, match="train split needs images"):
+        data.mnist(path=str(tmp_path / "labels.npz"))
 
 
 def _fake_mnist(path, n_train=40, n_test=12):

@@ -10,7 +10,7 @@ MiB = 2**20
 
 
 def run(strategy, sections, batch, seconds, peak_mib, exact=True, **extra):
-    return {"strategy": strategy, "batch": batch, "num_sections": sections, "section_blocks": [1] * sections,
+    return {"metric": "accuracy", "accuracy": 0.9, "strategy": strategy, "batch": batch, "num_sections": sections, "section_blocks": [1] * sections,
             "policies": ["recompute"] * sections, "median_step_seconds": seconds,
             "step_peak_bytes": int(peak_mib * MiB), "forward_runs_per_section": [2] * (sections - 1) + [1],
             "exact": exact, **extra}
@@ -44,7 +44,8 @@ def test_report_writes_markdown_and_plots(tmp_path):
                                predicted_peak_bytes=240 * MiB)])
     assert main([str(tmp_path)]) == 0
     text = (tmp_path / "report.md").read_text()
-    assert "| recompute_grad | 4 (1+1+1+1) | r,r,r,r | 512 | 2.400 | 1.20 | 180 | 0.45 |" in text
+    assert "| 1 | recompute_grad | 4 (1+1+1+1) | r,r,r,r | 512 | 2.400 | 1.20 | 180 | 0.45 |" in text
+    assert text.count("accuracy 0.9") == 4
     assert "| 300 | 240 | 250 | 1.04 | yes |" in text
     assert (tmp_path / "peak_vs_batch.png").stat().st_size > 1000
     assert (tmp_path / "frontier.png").stat().st_size > 1000
@@ -53,3 +54,11 @@ def test_report_writes_markdown_and_plots(tmp_path):
 def test_report_of_an_empty_folder_says_so(tmp_path):
     with pytest.raises(SystemExit, match="no runs with metrics.json"):
         main([str(tmp_path)])
+
+
+def test_report_without_a_whole_baseline_skips_the_frontier_saying_why(tmp_path, capsys):
+    write_sweep(tmp_path, [run("sectioned", 4, 512, 2.3, 170), run("sectioned", 2, 512, 2.1, 250)])
+    assert main([str(tmp_path)]) == 0
+    assert not (tmp_path / "frontier.png").exists() and (tmp_path / "peak_vs_batch.png").is_file()
+    assert "skipped frontier.png: no `whole` run" in capsys.readouterr().err
+    assert "Not drawn: frontier.png" in (tmp_path / "report.md").read_text()

@@ -1,14 +1,17 @@
-"""The real MNIST from a Keras-format ``mnist.npz`` on disk; never downloads."""
+"""The real MNIST from a Keras-format ``mnist.npz``, downloaded and cached like ``keras.datasets.mnist``."""
 
 from __future__ import annotations
 
 import os
+import zipfile
 
 import numpy as np
 
 from ._source import ImageSource
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
+ORIGIN = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/mnist.npz"
+SHA256 = "731c5ac602752760c8e48fbffcf8c3b850d9dc2a2aedcf2cc48468fc17b673d1"  # keras.datasets.mnist's
 
 
 def default_path() -> str:
@@ -17,27 +20,72 @@ def default_path() -> str:
     return os.path.join(home, "datasets", "mnist.npz")
 
 
-def mnist(path: str | None = None, max_shift: int = 0) -> ImageSource:
-    """MNIST (60000 train, 10000 test, 28x28x1 in [0, 1]) read from ``path``.
+def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, origin: str = ORIGIN,
+          sha256: str | None = SHA256) -> ImageSource:
+    """MNIST (60000 train, 10000 test, 28x28x1 in [0, 1]) read from ``path``, downloaded there if missing.
 
     Args:
         path: a Keras-format ``mnist.npz`` (arrays ``x_train, y_train, x_test, y_test``);
-            ``None`` reads the Keras cache (``default_path()``).
+            ``None`` uses the Keras cache (``default_path()``), shared with ``keras.datasets.mnist``.
         max_shift: training-time random translation in pixels (0 turns augmentation off).
+        download: fetch the file from ``origin`` when it is missing (``keras.utils.get_file``).
+        origin: the URL to fetch from.
+        sha256: the expected SHA-256 of the download (``None``: not checked).
     """
-    path = os.path.expanduser(path) if path else default_path()
+    path = os.path.abspath(os.path.expanduser(path) if path else default_path())
     if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"MNIST not found at {path!r}; this data source never downloads. To get it, run "
-            f"`python -c \"import keras; keras.datasets.mnist.load_data()\"` on a machine with internet (it saves "
-            f"~/.keras/datasets/mnist.npz there), then copy that file to {path!r} here or set data.path to "
-            f"your copy. data=digits needs no download.")
-    with np.load(path) as f:
-        missing = [k for k in KEYS if k not in f.files]
-        if missing:
-            raise ValueError(f"{path!r} is not a Keras-format mnist.npz: missing arrays {missing}; "
-                             f"it has {sorted(f.files)}, needs {list(KEYS)}.")
-        arrays = {k: f[k] for k in KEYS}
+        if not download:
+            raise FileNotFoundError(_missing(path, "downloads are off (data.download=false)"))
+        _download(path, origin, sha256)
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            missing = [k for k in KEYS if k not in f.files]
+            if missing:
+                raise ValueError(f"{path!r} is not a Keras-format mnist.npz: missing arrays {missing}; "
+                                 f"it has {sorted(f.files)}, needs {list(KEYS)}.")
+            arrays = {k: f[k] for k in KEYS}
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
+        raise ValueError(f"{path!r} is not a valid .npz file ({type(err).__name__}: {err}); delete it to "
+                         f"download again, or set data.path to a Keras-format mnist.npz.") from None
+    except ValueError as err:
+        if "mnist.npz" in str(err):
+            raise
+        raise ValueError(f"{path!r} is not a valid .npz file ({err}); delete it to download again, or set "
+                         f"data.path to a Keras-format mnist.npz.") from None
+    _check_shapes(path, arrays)
     images = {k: a if a.ndim == 4 else a[..., None] for k, a in arrays.items() if k.startswith("x")}
     return ImageSource("mnist", (images["x_train"], arrays["y_train"]), (images["x_test"], arrays["y_test"]),
                        scale=1 / 255 if arrays["x_train"].dtype == np.uint8 else 1.0, max_shift=max_shift)
+
+
+def _download(path: str, origin: str, sha256: str | None) -> None:
+    import keras
+
+    try:
+        keras.utils.get_file(fname=os.path.basename(path), origin=origin, file_hash=sha256,
+                             cache_dir=os.path.dirname(path), cache_subdir="")
+    except Exception as err:  # noqa: BLE001 - offline, refused, wrong hash: all end in the same advice
+        why = " ".join(str(err).split()) or type(err).__name__
+        raise FileNotFoundError(_missing(path, f"downloading {origin} failed: {why}")) from None
+    if not os.path.isfile(path):
+        raise FileNotFoundError(_missing(path, f"downloading {origin} gave no file"))
+
+
+def _missing(path: str, why: str) -> str:
+    return (f"MNIST not found at {path!r} and {why}. To get it, run `python -c \"import keras; "
+            f"keras.datasets.mnist.load_data()\"` on a machine with internet (it saves ~/.keras/datasets/mnist.npz "
+            f"there), then copy that file to {path!r} here or set data.path to your copy. data=digits needs no "
+            f"download.")
+
+
+def _check_shapes(path: str, arrays: dict) -> None:
+    """Images [n, h, w] or [n, h, w, c] with the same h, w, c in both splits; one integer label per image."""
+    for split in ("train", "test"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if x.ndim not in (3, 4) or y.ndim != 1 or len(x) != len(y) or not np.issubdtype(y.dtype, np.integer):
+            raise ValueError(f"{path!r}: the {split} split needs images [n, h, w(, c)] and n integer labels; got "
+                             f"x_{split} {x.shape} and y_{split} {y.shape} {y.dtype}.")
+    train, test = arrays["x_train"].shape[1:], arrays["x_test"].shape[1:]
+    if train != test:
+        raise ValueError(f"{path!r}: train and test images differ in shape: x_train {arrays['x_train'].shape}, "
+                         f"x_test {arrays['x_test'].shape}.")

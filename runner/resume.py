@@ -1,0 +1,141 @@
+"""`resume=<run folder>`: that run's own `config.yaml`, with this command line's overrides on top.
+
+What may change on resume:
+- anything that leaves the math alone (sections, engine, `train.steps`, cadences, progress, checks): allowed;
+- the optimizer's hyperparameters: applied after the checkpoint is restored (and logged);
+- what the checkpoint fixes (model, data, batch, seed, the optimizer's class or its slot variables): refused,
+  in one line naming each differing key.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.errors import ConfigError
+
+log = logging.getLogger("runner")
+
+FIXED = ("model.", "data.", "batch", "train.seed", "optimizer._target_")
+FREE_IN_FIXED = ("model.default_sections",)  # the model's default partition: a partition change
+# Optimizer keys that decide which slot variables exist: their state in the checkpoint would not fit.
+SLOT_KEYS = ("amsgrad", "centered", "nesterov")
+
+
+def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConfig, dict]:
+    """The run's saved config with `task_overrides` applied (values taken from the freshly composed `cfg`).
+
+    Returns the config to run and the changes `{key: (before, after)}`; raises ConfigError on a change a
+    checkpoint cannot follow."""
+    folder = run_folder(cfg.resume)
+    saved = OmegaConf.load(folder / "config.yaml")
+    merged = OmegaConf.create(OmegaConf.to_container(saved, resolve=True))
+    for key in ("engine", "train"):  # keys added to the runner since that run: today's defaults
+        for name, value in cfg[key].items():
+            if name not in merged.get(key, {}):
+                OmegaConf.update(merged, f"{key}.{name}", value, force_add=True)
+    for name in ("batch", "sections"):
+        if name not in merged:
+            merged[name] = cfg[name]
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for o in OverridesParser.create().parse_overrides(task_overrides):
+        key = o.key_or_group.split("@")[0]
+        if key == "resume" or key.startswith("hydra"):
+            continue
+        if key == "experiment":
+            raise ConfigError("experiment", o.value(), "cannot be applied on resume (the run's own config.yaml "
+                              "is the base); give the keys to change instead")
+        key = key.replace("/", ".")
+        if o.is_delete():
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(merged, parent) if parent else merged
+            if node is not None and leaf in node:
+                del node[leaf]
+            continue
+        OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True, merge=False)
+    merged.resume = str(cfg.resume)
+
+    changes = differences(saved, merged)
+    refused = [k for k in changes if k.startswith(FIXED) and not k.startswith(FREE_IN_FIXED)]
+    refused += [k for k in changes if _changes_slots(k, *changes[k])]
+    if refused:
+        shown = ", ".join(f"{k} ({show(changes[k][0])} -> {show(changes[k][1])})" for k in refused)
+        raise ConfigError("resume", cfg.resume, f"cannot change {shown} on resume: the checkpoint holds state "
+                          f"for the saved values; start a new run instead")
+    return merged, changes
+
+
+def run_folder(value) -> Path:
+    folder = Path(str(value)).expanduser()
+    if not folder.is_dir():
+        raise ConfigError("resume", value, "no such folder; give a run folder such as outputs/<date>/<time>")
+    if not (folder / "config.yaml").is_file() or not any((folder / "checkpoints").glob("ckpt-*.index")):
+        raise ConfigError("resume", value, "not a run folder with checkpoints (config.yaml, checkpoints/ckpt-*)")
+    return folder
+
+
+def differences(before: DictConfig, after: DictConfig) -> dict:
+    """`{dotted key: (before, after)}` for every leaf that differs (`resume` excluded)."""
+    a, b = _flat(OmegaConf.to_container(before, resolve=True)), _flat(OmegaConf.to_container(after, resolve=True))
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if k != "resume" and a.get(k) != b.get(k)}
+
+
+def optimizer_changes(changes: dict) -> dict:
+    return {k.split(".", 1)[1]: v for k, v in changes.items() if k.startswith("optimizer.")}
+
+
+def apply_optimizer_changes(optimizer, changes: dict) -> None:
+    """After restoring: the checkpoint put back the saved learning rate; the new config's value wins.
+
+    Other hyperparameters (betas, momentum, epsilon, weight decay, clipping) are plain attributes of the
+    optimizer built from the new config, not checkpoint state, so they already apply."""
+    for key, (before, after) in optimizer_changes(changes).items():
+        if key == "learning_rate" and isinstance(after, (int, float)):
+            optimizer.learning_rate = after
+        log.info(f"resume: optimizer.{key} {show(before)} -> {show(after)} (applied from this step on)")
+
+
+def history_name(folder: Path) -> Path:
+    """`config.<n>.yaml`, the first number not yet taken, for the config a resumed run replaces."""
+    n = 1
+    while (folder / f"config.{n}.yaml").exists():
+        n += 1
+    return folder / f"config.{n}.yaml"
+
+
+def _changes_slots(key: str, before, after) -> bool:
+    if not key.startswith("optimizer."):
+        return False
+    name = key.split(".", 1)[1]
+    if name in SLOT_KEYS:
+        return True
+    # momentum 0 builds no momentum slots; turning it on (or off) changes the optimizer's state
+    return name == "momentum" and _is_zero(before) != _is_zero(after)
+
+
+def _is_zero(value) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0)
+
+
+def _flat(node, prefix: str = "") -> dict:
+    out = {}
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    out[prefix[:-1]] = node
+    return out
+
+
+def show(value) -> str:
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return "null" if value is None else str(value)

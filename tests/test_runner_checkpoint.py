@@ -1,0 +1,116 @@
+"""runner.checkpoint in-process: seed states saved, only finite state saved, broken checkpoints skipped,
+leftover `_temp` folders removed, a failed write reported in one line."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+import keras  # noqa: E402
+
+from models import build_mlp  # noqa: E402
+from models.data import synthetic  # noqa: E402
+from runner.checkpoint import Checkpoints, CheckpointWriteError  # noqa: E402
+from runner.errors import ConfigError  # noqa: E402
+from sections import Engine  # noqa: E402
+
+
+def _setup(directory, keep=5):
+    keras.utils.set_random_seed(0)
+    data = synthetic(train_size=64, test_size=16)
+    engine = Engine(build_mlp(hidden=[8], dropout=0.3, **data.model_args), optimizer=keras.optimizers.Adam(1e-2),
+                    sections=2)
+    batches = iter(data.train_batches(16, 0))
+    engine.build(next(iter(data.train_batches(16, 0))))
+    return engine, batches, Checkpoints(directory, engine, batches, keep)
+
+
+def _values(variables):
+    return [np.array(v) for v in variables]
+
+
+def test_resume_restores_seed_generator_states_and_weights(tmp_path):
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")
+    seeds = [v for v in engine.network.variables if "seed" in v.path]
+    assert seeds, [v.path for v in engine.network.variables]
+    engine.train_step(next(batches))
+    ckpt.save(1)
+    saved, saved_seeds = _values(engine.network.variables), _values(seeds)
+    engine.train_step(next(batches))
+    assert any(not np.array_equal(a, b) for a, b in zip(saved_seeds, _values(seeds)))  # dropout drew
+    step, path = ckpt.restore()
+    assert step == 1 and path.endswith("ckpt-1")
+    for a, b in zip(saved, _values(engine.network.variables)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_nonfinite_state_is_never_saved(tmp_path, caplog):
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")
+    assert ckpt.save(1).endswith("ckpt-1")
+    kernel = engine.network.trainable_variables[0]
+    kernel.assign(tf.fill(kernel.shape, float("nan")))
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert ckpt.save(2) is None
+    assert "holds NaN or Inf; checkpoint not saved" in caplog.text and kernel.path in caplog.text
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.index")) == ["ckpt-1.index"]
+    assert ckpt.latest.endswith("ckpt-1")
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")
+    engine.train_step(next(batches))
+    ckpt.save(1)
+    first = _values(engine.network.variables)
+    engine.train_step(next(batches))
+    ckpt.save(2)
+    (data_file,) = (tmp_path / "checkpoints").glob("ckpt-2.data-*")
+    data_file.write_bytes(data_file.read_bytes()[:100])  # truncated
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        step, path = ckpt.restore()
+    assert step == 1 and path.endswith("ckpt-1")
+    assert "ckpt-2 is unreadable" in caplog.text and "resuming from ckpt-1" in caplog.text
+    for a, b in zip(first, _values(engine.network.variables)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_garbled_state_file_is_ignored(tmp_path, caplog):
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")
+    ckpt.save(1)
+    ckpt.save(2)
+    (tmp_path / "checkpoints" / "checkpoint").write_bytes(b"\x00garbage{{{ not a proto")
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        engine, batches, ckpt = _setup(tmp_path / "checkpoints")
+        assert ckpt.restore()[0] == 2
+    assert "checkpoint is unreadable" in caplog.text
+
+
+def test_no_readable_checkpoint_is_one_config_error(tmp_path):
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")
+    ckpt.save(1)
+    for path in (tmp_path / "checkpoints").glob("ckpt-1.*"):
+        path.write_bytes(b"junk")
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")
+    with pytest.raises(ConfigError, match="no checkpoint there can be read.*ckpt-1"):
+        ckpt.restore()
+
+
+def test_leftover_temp_folders_are_removed_on_the_next_save(tmp_path):
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")
+    ckpt.save(1)
+    leftover = tmp_path / "checkpoints" / "ckpt-2_temp"
+    (leftover / "part-00000-of-00001").mkdir(parents=True)
+    ckpt.save(3)
+    assert not leftover.exists() and (tmp_path / "checkpoints" / "ckpt-3.index").is_file()
+
+
+def test_a_failed_write_stops_in_one_line_keeping_the_folder(tmp_path):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("a file where the checkpoint folder should be")
+    engine, batches, ckpt = _setup(blocker / "checkpoints")
+    with pytest.raises(CheckpointWriteError, match="could not write the step-1 checkpoint") as err:
+        ckpt.save(1)
+    assert "\n" not in str(err.value)
