@@ -114,7 +114,8 @@ class TextSource:
         origin: where the text came from, for messages.
     """
 
-    metric = "bits_per_char"  # lower is better
+    metric = "bits_per_char"
+    metric_direction = "minimize"  # lower is better; a sweeper must be told (hydra.sweeper.direction=minimize)
 
     def __init__(self, name: str, text: str, seq_len: int = 128, valid_fraction: float = 0.1,
                  eval_chars: int | None = None, origin: str = ""):
