@@ -29,7 +29,10 @@ def build(cfg: DictConfig) -> Setup:
 
     data = instantiate(cfg.data, "data")
     model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
-    network = instantiate(model_cfg, "model", **dict(getattr(data, "model_args", {}) or {}))
+    data_args = dict(getattr(data, "model_args", {}) or {})
+    # A key the model config sets itself (keras_app's input_shape) wins; the builder sees the data's as data_args.
+    own = {k: data_args.pop(k) for k in list(data_args) if model_cfg.get(k) is not None}
+    network = instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
     sections = resolve_sections(cfg)
     check_boundaries(sections, network.block_names)
     optimizer = instantiate(cfg.optimizer, "optimizer")
@@ -37,7 +40,8 @@ def build(cfg: DictConfig) -> Setup:
     engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
     probe = next(iter(data.train_batches(cfg.batch, cfg.train.seed)))
     try:
-        engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections)
+        engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections,
+                             _convert_="all")
         engine.build(probe)
     except ValueError as err:
         raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
