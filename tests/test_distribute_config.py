@@ -87,6 +87,8 @@ def test_none_is_the_default_and_every_option_composes():
      "distribute.communication=gloo: allowed: auto, ring, nccl"),
     (["distribute=multi_worker", "distribute.timeout_seconds=0"], SRUN,
      "distribute.timeout_seconds=0.0: must be a positive number or null"),
+    (["distribute=multi_worker"], {**SRUN, "SLURM_PROCID": "2"},
+     "SLURM_PROCID=2 (SLURM_STEP_NUM_TASKS=2): must be a task rank below the number of tasks, as srun sets them"),
     (["distribute.cpu_devices=2"], {}, "distribute.cpu_devices=2: only distribute=mirrored uses logical CPU devices "
                                        "(this run has distribute=none)"),
     (["distribute=mirrored", "distribute.cpu_devices=0"], {}, "distribute.cpu_devices=0: must be a positive integer"),
@@ -94,6 +96,7 @@ def test_none_is_the_default_and_every_option_composes():
 ], ids=["batch-not-divisible", "multi-worker-no-cluster", "tf-config-not-json", "tf-config-no-task",
         "tf-config-index-out-of-range", "tf-config-no-port", "tf-config-ps-job", "tf-config-unknown-type",
         "slurm-not-under-srun", "tf-config-not-set", "unknown-cluster", "unknown-communication", "zero-timeout",
+        "slurm-rank-out-of-range",
         "cpu-devices-without-mirrored", "zero-cpu-devices", "unknown-kind"])
 def test_bad_distribute_input_is_one_line_naming_the_value(overrides, environ, message):
     assert message in refused(composed(*overrides), environ)

@@ -61,8 +61,8 @@ def job_folders(sweep: Path) -> list[Path]:
 
 def test_two_job_sweep_through_submitit_local_runs_each_job_in_its_own_process(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = runner("-m", "model=mlp", "data=synthetic", *SMALL, "batch=8", "hydra/launcher=local", "optimizer.learning_rate=0.001,0.01",
-                  f"hydra.sweep.dir={sweep}")
+    proc = runner("-m", "model=mlp", "data=synthetic", *SMALL, "batch=8", "hydra/launcher=local",
+                  "optimizer.learning_rate=0.001,0.01", f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = job_folders(sweep)
     assert [p.name for p in jobs] == ["0", "1"]
