@@ -175,3 +175,18 @@ def test_two_slurm_tasks_on_a_cpu_node_all_reduce_over_both():
     (first,), (second,) = [outcome(p) for p in procs]
     assert (first["replicas"], first["chief"], first["sum"]) == (2, True, 3.0)
     assert (second["replicas"], second["chief"], second["devices"]) == (2, False, ["worker:1/CPU:0"])
+
+
+@pytest.mark.slow
+def test_a_dead_worker_makes_the_other_fail_instead_of_hanging():
+    ports = free_ports(2)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    procs = [worker({"kind": "multi_worker"}, env={**ENV, "TF_CONFIG": json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": i}}), **extra})
+        for i, extra in enumerate([{"FAKE_WORKER_WAITS": "3"}, {"FAKE_WORKER_DIES": "1"}])]
+    try:
+        out, err = procs[0].communicate(timeout=180)  # a hang fails here
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode != 0 and "UnavailableError" in err and "/job:worker/replica:0/task:1" in err
