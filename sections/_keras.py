@@ -41,6 +41,10 @@ class KerasNetwork(Network):
         self._layer_order = list(layer_order)
         self._reasons = dict(reasons)
 
+    def build(self, batch) -> None:
+        """The model's layers are built already; only the batch is checked."""
+        self.check_batch(batch)
+
     def boundary_starts(self, names: Sequence[str]) -> list[int]:
         for name in names:
             if isinstance(name, str) and name not in self.boundaries:
@@ -161,12 +165,26 @@ class _Graph:
         for i in range(n - 1, -1, -1):
             for p in self.parents[i]:
                 self.desc[p] |= self.desc[i] | (1 << i)
-        self.on_main = on_main
-        self.main_mask = sum(1 << i for i in range(n) if on_main[i])
         self.output_ids = [id(x) for x in self.fn.outputs]
+        # The chain runs to the model's deepest output; a side branch that only leads to other outputs
+        # (an auxiliary head) is a "head": it runs as soon as its inputs exist and never blocks a cut.
+        ends = [producer[t] for t in self.output_ids if t in producer]
+        last = max(ends, key=lambda i: (bin(self.anc[i]).count("1"), i)) if ends else n - 1
+        chain = self.anc[last] | (1 << last)
+        self.on_main = [on_main[i] and bool(chain >> i & 1) for i in range(n)]
+        self.main_mask = sum(1 << i for i in range(n) if self.on_main[i])
+        self.heads = [i for i in range(n) if on_main[i] and not self.on_main[i]]
         names = [self.operation(i).name for i in range(n)]
         self.names = names
         self.node_count = {nm: names.count(nm) for nm in names}
+
+    def before(self, i: int) -> int:
+        """The nodes that run up to a cut after node ``i``: its ancestors, and heads whose inputs exist."""
+        mask = self.anc[i] | (1 << i)
+        for j in self.heads:
+            if all(mask >> p & 1 for p in self.parents[j]):
+                mask |= 1 << j
+        return mask
 
     def operation(self, i: int):
         get = getattr(self.fn, "_get_operation_for_node", None)
@@ -192,10 +210,13 @@ class _Graph:
             if self.node_count[name] > 1:
                 reasons[name] = f"the layer is used {self.node_count[name]} times in the graph"
                 continue
+            if i in self.heads:
+                reasons[name] = "it is on a side branch that only leads to a model output"
+                continue
             if not self.on_main[i]:
                 reasons[name] = "it does not depend on the model's first input"
                 continue
-            before = self.anc[i] | (1 << i)
+            before = self.before(i)
             if before == everything:
                 reasons[name] = "it is the model's last layer"
                 continue
@@ -240,7 +261,7 @@ def from_keras(model, loss, inputs: str = "image", fields=None, metrics=None, lo
     kept = _choose_cuts(graph, cuts, max_blocks - 1, _keep_nodes(graph, cuts, reasons, keep))
 
     segment_of = []
-    before_masks = [graph.anc[c] | (1 << c) for c in kept]
+    before_masks = [graph.before(c) for c in kept]
     for i in range(len(graph.nodes)):
         segment_of.append(next((s for s, m in enumerate(before_masks) if m >> i & 1), len(kept)))
     borders = [graph.border(m) for m in before_masks]
@@ -337,7 +358,7 @@ def _choose_cuts(graph: _Graph, cuts: list[int], budget: int, forced: list[int])
         return cuts
     chosen = set(forced)
     room = budget - len(chosen)
-    width = {c: len(graph.border(graph.anc[c] | (1 << c))) for c in cuts}
+    width = {c: len(graph.border(graph.before(c))) for c in cuts}
     for w in sorted(set(width.values())):
         group = [c for c in cuts if width[c] == w and c not in chosen]
         if room <= 0:
