@@ -3,6 +3,9 @@
     python3 tasks.py run [hydra overrides...]   # python -m runner inside .venv
     python3 tasks.py test [pytest args...]      # the fast test suite (not the `slow` ones)
     python3 tasks.py test-all                   # everything, slow quality bars included
+
+On Linux with an NVIDIA GPU (``nvidia-smi -L`` lists one), the set-up also installs the ``gpu`` extra
+(``tensorflow[and-cuda]``: CUDA and cuDNN from pip), so TensorFlow finds the GPU with no system CUDA.
 """
 
 from __future__ import annotations
@@ -21,18 +24,45 @@ PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
 STAMP = VENV / ".installed"
 
 
+def gpu_present() -> bool:
+    """True when ``nvidia-smi -L`` runs and lists at least one GPU (NVIDIA driver installed, a GPU visible)."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return proc.returncode == 0 and any(line.startswith("GPU ") for line in proc.stdout.splitlines())
+
+
+def extras(gpu: bool, platform: str = sys.platform) -> list[str]:
+    """The project extras to install: ``test``, plus ``gpu`` on Linux with an NVIDIA GPU (CUDA wheels are Linux-only)."""
+    return ["test", "gpu"] if gpu and platform.startswith("linux") else ["test"]
+
+
+def install_command(python: Path, root: Path, chosen: list[str]) -> list[str]:
+    """The pip command that installs the project (editable) with the chosen extras."""
+    return [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q",
+            "-e", f"{root}[{','.join(chosen)}]"]
+
+
+def stamp(pyproject: bytes, chosen: list[str]) -> str:
+    """What an installed ``.venv`` records: a change in either part re-installs."""
+    return hashlib.sha256(pyproject).hexdigest() + " " + ",".join(chosen)
+
+
 def setup() -> None:
-    """Create the virtual environment and install the project when pyproject.toml changed."""
-    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    """Create the virtual environment and install the project when pyproject.toml or the chosen extras changed."""
+    chosen = extras(gpu_present())
+    wanted = stamp((ROOT / "pyproject.toml").read_bytes(), chosen)
     if STAMP.exists() and STAMP.read_text() == wanted and PYTHON.exists():
         return
     if not PYTHON.exists():
         print(f"creating {VENV}", flush=True)
         venv.create(VENV, with_pip=True)
-    pip = [str(PYTHON), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    subprocess.run(pip + ["--upgrade", "pip"], check=True)
-    print("installing sectionflow and its dependencies (first time: a few minutes)", flush=True)
-    subprocess.run(pip + ["-e", f"{ROOT}[test]"], check=True, cwd=ROOT)
+    subprocess.run([str(PYTHON), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--upgrade", "pip"],
+                   check=True)
+    gpu = " with CUDA for the NVIDIA GPU (the gpu extra)" if "gpu" in chosen else ""
+    print(f"installing sectionflow and its dependencies{gpu} (first time: a few minutes)", flush=True)
+    subprocess.run(install_command(PYTHON, ROOT, chosen), check=True, cwd=ROOT)
     STAMP.write_text(wanted)
 
 

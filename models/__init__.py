@@ -2,8 +2,9 @@
 
 from . import data
 from .attention import build_attention
+from .gpt import build_gpt
 from .mlp import build_mlp
 from .resnet import build_resnet
 from .seq2seq import build_seq2seq
 
-__all__ = ["build_resnet", "build_mlp", "build_seq2seq", "build_attention", "data"]
+__all__ = ["build_resnet", "build_mlp", "build_seq2seq", "build_attention", "build_gpt", "data"]

@@ -34,12 +34,10 @@ def build(cfg: DictConfig) -> Setup:
     check_boundaries(sections, network.block_names)
     optimizer = instantiate(cfg.optimizer, "optimizer")
 
-    from sections import Engine
-
     engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
     probe = next(iter(data.train_batches(cfg.batch, cfg.train.seed)))
     try:
-        engine = Engine(network, optimizer=optimizer, sections=sections, **engine_args)
+        engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections)
         engine.build(probe)
     except ValueError as err:
         raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
@@ -75,6 +73,8 @@ def instantiate(node: DictConfig, group: str, **kwargs):
         return hydra_instantiate(node, **kwargs)
     except InstantiationException as err:
         cause = err.__cause__
+        if isinstance(cause, ValueError) and group == "engine":
+            raise cause from err  # the engine's own one-line answer (bad sections, policy or budget)
         why = f"{type(cause).__name__}: {cause}" if cause is not None else str(err)
         why = " ".join(line.strip() for line in why.splitlines() if line.strip())
         raise ConfigError(f"{group}._target_", node.get("_target_"), f"cannot build it: {why}") from err

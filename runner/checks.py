@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import math
-import re
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.errors import ConfigError
+from sections import rules
 
-STRATEGIES = ("sectioned", "whole", "recompute_grad")
-POLICIES = ("recompute", "store")
 PROGRESS = ("auto", "bar", "log")
-_SIZE = re.compile(r"^\s*\d+(\.\d+)?\s*([kKMGT]i?B|B)?\s*$")
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -45,39 +42,35 @@ def _check_optimizer(optimizer: DictConfig) -> None:
         raise ConfigError("optimizer.learning_rate", lr, "must be a positive number")
 
 
+TRAINERS = {"sections.Engine": "sectioned", "sections.WholeGraph": "whole", "sections.RecomputeGrad": "recompute_grad"}
+
+
+def _rule(key: str, value, check, *args) -> None:
+    """Apply one of the engine's own rules (`sections.rules`), reporting its answer as a ConfigError."""
+    try:
+        check(*args)
+    except ValueError as err:
+        text = str(err)
+        raise ConfigError(key, value, text.split(": ", 1)[1] if text.startswith(f"{key.split('.')[-1]}=") else text)
+
+
 def check_sections(value, memory_budget=None, key: str = "sections") -> None:
-    allowed = "must be a positive integer, a list of boundary names like [scale1,scale2], auto, or null"
     if value is None:
         return
-    if isinstance(value, bool) or (isinstance(value, int) and value < 1):
-        raise ConfigError(key, value, allowed)
-    if isinstance(value, str):
-        if value != "auto":
-            raise ConfigError(key, value, allowed)
-        if memory_budget is None:
-            raise ConfigError(key, value, "auto needs engine.memory_budget (bytes or a size like 2GiB)")
-    if isinstance(value, (list, ListConfig)):
-        names = list(value)
-        if not names or not all(isinstance(n, str) and n for n in names):
-            raise ConfigError(key, names, "a list of sections must hold one or more boundary names (strings)")
-        if len(set(names)) != len(names):
-            raise ConfigError(key, names, "boundary names must not repeat")
-    elif not isinstance(value, (int, str)):
-        raise ConfigError(key, value, allowed)
+    if isinstance(value, ListConfig):
+        value = list(value)
+    _rule(key, value, rules.check_sections_arg, value, memory_budget if memory_budget is not None else 1)
+    if value == "auto" and memory_budget is None:
+        raise ConfigError(key, value, "auto needs engine.memory_budget (bytes or a size like 2GiB)")
 
 
 def _check_engine(engine: DictConfig) -> None:
-    if engine.strategy not in STRATEGIES:
-        raise ConfigError("engine.strategy", engine.strategy, f"allowed: {', '.join(STRATEGIES)}")
-    policies = list(engine.policy) if isinstance(engine.policy, ListConfig) else [engine.policy]
-    bad = [p for p in policies if p not in POLICIES]
-    if bad or not policies:
-        raise ConfigError("engine.policy", engine.policy,
-                          f"allowed: {' or '.join(POLICIES)}, or a list with one of them per section")
-    budget = engine.memory_budget
-    if budget is not None and (isinstance(budget, bool) or not (
-            (isinstance(budget, int) and budget > 0) or (isinstance(budget, str) and _SIZE.match(budget)))):
-        raise ConfigError("engine.memory_budget", budget, "must be a byte count or a size like 512MiB or 2GB")
+    if engine._target_ not in TRAINERS:
+        raise ConfigError("engine._target_", engine._target_, f"allowed: {', '.join(TRAINERS)}")
+    policy = list(engine.policy) if isinstance(engine.policy, ListConfig) else engine.policy
+    _rule("engine.policy", policy, rules.check_policy_names, policy)
+    if engine.memory_budget is not None:
+        _rule("engine.memory_budget", engine.memory_budget, rules.parse_bytes, engine.memory_budget)
 
 
 def _check_train(train: DictConfig) -> None:

@@ -16,10 +16,10 @@ from omegaconf import MISSING
 
 @dataclass
 class EngineConfig:
-    """How `sections.Engine` trains the network."""
+    """Which trainer (`sections.Engine`, or a baseline `sections.WholeGraph` / `sections.RecomputeGrad`) and how."""
 
-    strategy: str = "sectioned"  # sectioned | whole | recompute_grad
-    policy: Any = "recompute"  # recompute | store, or a list with one per section
+    _target_: str = "sections.Engine"
+    policy: Any = "recompute"  # recompute | store | recreate, or a list with one per section
     jit_compile: bool = False
     check: bool = False  # compare the sectioned gradients with whole-graph ones
     memory_budget: Any = None  # bytes (int) or a size like "2GiB"; used by sections=auto
@@ -86,6 +86,18 @@ class RMSpropConfig(OptimizerConfig):
 
 
 @dataclass
+class DistributeConfig:
+    """How a run spreads over devices and workers (`runner.distribute`): none | mirrored | multi_worker."""
+
+    kind: str = "none"
+    cpu_devices: Optional[int] = None  # mirrored: N logical CPU devices instead of the local GPUs
+    cluster: str = "auto"  # multi_worker: auto | tf_config | slurm
+    communication: str = "auto"  # multi_worker: auto | ring | nccl
+    port_base: int = 8888  # multi_worker under SLURM: first port on each node
+    timeout_seconds: Optional[float] = None  # multi_worker: collective-op timeout
+
+
+@dataclass
 class Config:
     """The whole run. `sections`: null (the model's default, else 1), an int, a list of boundary names, or auto."""
 
@@ -94,6 +106,7 @@ class Config:
     optimizer: Any = MISSING
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distribute: DistributeConfig = field(default_factory=DistributeConfig)
     batch: int = 256
     sections: Any = None
     resume: Optional[str] = None

@@ -12,7 +12,7 @@ _EXPORTS = {
     "Network": "._network", "Block": "._network",
     "Section": "._partition",
     "Policy": "._policies", "Recompute": "._policies", "Store": "._policies", "Recreate": "._policies",
-    "Plan": "._planner", "plan_partition": "._planner",
+    "Plan": "._planner", "plan_schedule": "._planner", "Schedule": "._schedule",
     "compare_with_whole": "._verify",
     "POLICIES": ".rules", "STRATEGIES": ".rules", "parse_bytes": ".rules",
 }

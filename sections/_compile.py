@@ -1,4 +1,4 @@
-"""The compiled pieces of a sectioned step: forward, re-run backward, and the fused last section."""
+"""The compiled pieces of one section: first forward, replayed forward, re-run backward, and the fused last section."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import tensorflow as tf
 
 from ._relaxed import RelaxedFunction
 from ._structure import float_leaves
+
+
+class ReplayMismatchError(RuntimeError):
+    """A section's re-run forward differed from its first run (randomness the engine cannot replay)."""
 
 
 def _zeros_for_missing(ys, grads):
@@ -24,89 +28,99 @@ def max_relative_diff(a, b) -> tf.Tensor:
 
 
 class SectionFunctions:
-    """Builds the ``tf.function``s of one section.
+    """The ``tf.function``s of one section.
 
-    ``counter`` is a ``tf.Variable`` incremented inside each compiled forward execution, so forward
-    runs are counted by the code that ran, not assumed.
+    ``counter`` is a ``tf.Variable`` incremented inside each compiled forward execution, so forward runs are
+    counted by the code that ran, not assumed. A section's first run in a step updates its state (batch-norm
+    statistics, seed generators) and returns a snapshot of the state before it; every later run reads that
+    snapshot and drops its state writes, so it computes exactly what the first run did.
     """
 
-    def __init__(self, network, section, counter: tf.Variable, jit_compile: bool, check: bool):
+    def __init__(self, network, section, counter: tf.Variable, jit_compile: bool = False, tol: float = 1e-4):
         self.network = network
         self.section = section
         self.counter = counter
-        self.check = check
+        self.tol = tol
         self.needs_input_grad = section.index > 0
-        batch_args = {"forward": (0, 1), "forward_stored": (0, 1), "backward": (0, 1, 2, 4), "fused": (0, 1)}
+        batch_args = {"first": (0, 1), "replay": (0, 1), "rerun_backward": (0, 1, 2, 4), "fused": (0, 1)}
         self._compiled = {name: RelaxedFunction(getattr(self, "_" + name), jit_compile, args)
                           for name, args in batch_args.items()}
 
     def _call(self, name, h, *args):
         return self._compiled[name](int(tf.nest.flatten(h)[0].shape[0]), h, *args)
 
-    def forward(self, h, batch):
-        return self._call("forward", h, batch)
+    # ---------------------------------------------------------------- what policies call
+    def sources(self, h) -> list:
+        """The input's tensors that get a gradient (none for the first section: its input is data)."""
+        return float_leaves(h) if self.needs_input_grad else []
 
-    def forward_stored(self, h, batch):
-        return self._call("forward_stored", h, batch)
+    def forward(self, h, view, snapshot=None):
+        """Run the section: the first time in a step (``snapshot=None``) or a replay. Returns (output, snapshot)."""
+        if snapshot is None:
+            return self._call("first", h, view)
+        return self._call("replay", h, view, snapshot), snapshot
 
-    def backward(self, h, batch, upstream, snapshot, expected):
-        return self._call("backward", h, batch, upstream, snapshot, expected)
+    def rerun_backward(self, h, view, upstream, snapshot, expected=None):
+        """Re-run from the cached input and state, then a vector-Jacobian product."""
+        g_in, g_vars, diff = self._call("rerun_backward", h, view, upstream, snapshot, expected)
+        if expected is not None and float(diff) > self.tol:
+            sec = self.section
+            raise ReplayMismatchError(
+                f"{sec.name} ({sec.block_names[0]}..{sec.block_names[-1]}): the re-run forward differs from "
+                f"the first run (max relative difference {float(diff):.3g} > {self.tol}). Randomness inside it is "
+                f"not replayable; draw it through a keras.random.SeedGenerator, or use policy='store' for it.")
+        return g_in, g_vars
 
-    def fused(self, h, batch):
-        return self._call("fused", h, batch)
+    def tape_backward(self, tape, h, out, upstream):
+        """Backward from a tape kept during the forward (no re-run)."""
+        xs, ys = self.sources(h), float_leaves(out)
+        grads = tape.gradient(ys, xs + self.section.variables, output_gradients=_zeros_for_missing(ys, upstream))
+        return grads[: len(xs)], grads[len(xs):]
 
+    def fused(self, h, view):
+        """The last section: forward, loss and backward in one run. Returns (loss, input grads, variable grads)."""
+        return self._call("fused", h, view)
+
+    # ---------------------------------------------------------------- compiled bodies
     def _run(self, h, batch):
         self.counter.assign_add(1)
         sec = self.section
         return self.network.run_blocks(h, batch, True, sec.start, sec.stop)
 
-    def _sources(self, h):
-        return float_leaves(h) if self.needs_input_grad else []
+    def _replaying(self, snapshot):
+        # State reads come from the snapshot and state writes are dropped: batch-norm statistics update once
+        # per step, and seed generators replay the first run's random draws.
+        return keras.StatelessScope(state_mapping=list(zip(self.section.state_variables, snapshot)))
 
-    def _forward(self, h, batch):
-        """Forward without a tape; returns the output and the section's state before it ran."""
+    def _first(self, h, batch):
         snapshot = [tf.identity(v.value) for v in self.section.state_variables]
         with tf.control_dependencies(snapshot):
             out = self._run(h, batch)
         return out, snapshot
 
-    def _forward_stored(self, h, batch):
-        """Forward meant to run under a caller's tape, which keeps what the backward needs."""
-        return self._run(h, batch)
+    def _replay(self, h, batch, snapshot):
+        with self._replaying(snapshot):
+            return self._run(h, batch)
 
-    def _backward(self, h, batch, upstream, snapshot, expected):
-        """Re-run the forward from the cached input and state, then a vector-Jacobian product."""
-        mapping = list(zip(self.section.state_variables, snapshot))
+    def _rerun_backward(self, h, batch, upstream, snapshot, expected):
         with tf.GradientTape() as tape:
-            xs = self._sources(h)
+            xs = self.sources(h)
             tape.watch(xs)
-            # State reads come from the snapshot and state writes are dropped: batch-norm statistics
-            # update once per step, and seed generators replay the forward pass's random draws.
-            with keras.StatelessScope(state_mapping=mapping):
+            with self._replaying(snapshot):
                 out = self._run(h, batch)
         ys = float_leaves(out)
-        grads = tape.gradient(ys, xs + self.section.variables,
-                              output_gradients=_zeros_for_missing(ys, upstream))
+        grads = tape.gradient(ys, xs + self.section.variables, output_gradients=_zeros_for_missing(ys, upstream))
         diff = max_relative_diff(out, expected) if expected is not None else tf.constant(0.0)
         return grads[: len(xs)], grads[len(xs):], diff
 
     def _fused(self, h, batch):
-        """The last section: forward, loss and backward in one run."""
         with tf.GradientTape() as tape:
-            xs = self._sources(h)
+            xs = self.sources(h)
             tape.watch(xs)
             out = self._run(h, batch)
             loss = self.network.loss(out, batch)
         grads = tape.gradient(loss, xs + self.section.variables)
         return loss, grads[: len(xs)], grads[len(xs):]
-
-    def stored_backward(self, tape, h, out, upstream):
-        """Backward of a stored section from the tape kept during its forward (no re-run)."""
-        xs = self._sources(h)
-        ys = float_leaves(out)
-        grads = tape.gradient(ys, xs + self.section.variables,
-                              output_gradients=_zeros_for_missing(ys, upstream))
-        return grads[: len(xs)], grads[len(xs):]
 
     def trace_counts(self) -> dict[str, int]:
         return {f"{self.section.name}/{k}": f.tracing_count() for k, f in self._compiled.items()}

@@ -144,10 +144,29 @@ class Network:
         return self.run_blocks(batch[self.inputs], batch, training)
 
     def build(self, batch) -> None:
-        """Create every layer's variables by one inference call on two examples (no state update)."""
+        """Create every layer's variables by tracing one training call. Nothing runs: no random draws, no
+        state updates, so a step after it computes what a plain loop building its layers lazily would."""
         self.check_batch(batch)
-        small = tf.nest.map_structure(lambda t: t[:2], dict(batch))
-        self.forward(small, training=False)
+        specs = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), dict(batch))
+        tf.function(lambda b: self.forward(b, training=True)).get_concrete_function(specs)
+
+    @classmethod
+    def from_keras(cls, model, loss: LossFn, inputs: str = "image", fields=None, **kwargs) -> "Network":
+        """A network cut from a built Keras Functional or Sequential model at its layer names.
+
+        Boundary names are the model's layers where the graph can be cut; the blocks call the model's own
+        layers, so after training ``model`` holds the trained weights. ``fields``: batch keys of the
+        model's other inputs. More options (``metrics``, ``loss_fields``, ``max_blocks``, ``keep``):
+        ``sections._keras.from_keras``.
+
+        Example:
+            >>> net = Network.from_keras(keras.applications.ResNet50V2(weights=None, classes=10),
+            ...                          loss=lambda out, batch: ..., inputs="image")
+            >>> Engine(net, optimizer, sections=["conv3_block1_out", "conv4_block1_out"])
+        """
+        from ._keras import from_keras
+
+        return from_keras(model, loss, inputs=inputs, fields=fields, **kwargs)
 
 
 def _to_block(item) -> Block:

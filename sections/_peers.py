@@ -1,67 +1,87 @@
-"""What users would use instead of sections, compiled the same way: a whole-graph step and tf.recompute_grad."""
+"""What users would use instead of sections, at the same partition and compiled the same way:
+one whole-graph step, and ``tf.recompute_grad`` around each section."""
 
 from __future__ import annotations
 
 import tensorflow as tf
 
+from ._base import Trainer
 from ._relaxed import RelaxedFunction
 
 
-class PeerStep:
-    """One compiled training step over the whole network.
+class WholeGraph(Trainer):
+    """One ordinary compiled ``GradientTape`` step over the whole network (the partition only labels the
+    table). Each section's counter is incremented inside its forward code, like the engine's."""
 
-    ``whole``: an ordinary ``GradientTape`` step. ``recompute_grad``: every section but the last wrapped in
-    ``tf.recompute_grad`` (TensorFlow's gradient checkpointing) inside the same step. Each section's
-    counter is incremented inside its forward code, so re-runs by ``tf.recompute_grad`` are counted.
-    """
+    strategy = "whole"
 
-    def __init__(self, network, optimizer, sections, counters, strategy: str, jit_compile: bool):
-        self.network = network
-        self.optimizer = optimizer
-        self.sections = sections
-        self.counters = counters
-        self.strategy = strategy
-        self.variables = network.trainable_variables
-        self._step = RelaxedFunction(self._train, jit_compile, batch_args=(0,))
-        self._grads = RelaxedFunction(self._gradients, jit_compile, batch_args=(0,))
+    def __init__(self, network, optimizer, sections=1, policy=None, jit_compile: bool = False, check: bool = False,
+                 memory_budget=None, probe_batch: int = 64, device: str | None = None):
+        # policy, check and memory_budget belong to the sectioned engine; accepted so configs can switch classes.
+        if sections == "auto":
+            raise ValueError(f"sections='auto' plans the sectioned engine; {type(self).__name__} takes an int "
+                             f"or a list of boundary names.")
+        super().__init__(network, optimizer, sections, jit_compile=jit_compile, probe_batch=probe_batch,
+                         device=device)
 
-    def __call__(self, batch):
-        """One training step; returns the loss."""
-        return self._step(_size(self.network, batch), batch)
+    def _settle(self, batch):
+        starts = self._starts if self._starts is not None else self._balanced_starts(self._sections_arg)
+        return starts, [self.strategy] * (len(starts) + 1)
 
-    def gradients(self, batch):
-        """Loss and gradients (aligned with ``network.trainable_variables``) without applying them."""
-        return self._grads(_size(self.network, batch), batch)
+    def _compile(self) -> None:
+        self._train_fn = RelaxedFunction(self._train, self.jit_compile, batch_args=(0,))
+        self._grads_fn = RelaxedFunction(self._tape_gradients, self.jit_compile, batch_args=(0,))
 
-    def trace_count(self) -> int:
-        return self._step.tracing_count()
-
-    def _section_fn(self, sec, batch, structure):
-        def run(*flat):
-            self.counters[sec.index].assign_add(1)
-            h = tf.nest.pack_sequence_as(structure, list(flat))
-            return tf.nest.flatten(self.network.run_blocks(h, batch, True, sec.start, sec.stop))
-        return run
-
-    def _train(self, batch):
-        loss, grads = self._gradients(batch)
-        self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, self.variables) if g is not None])
-        return loss
+    def _step(self, batch) -> dict:
+        self.meter.reset()
+        loss = self._train_fn(_size(self.network, batch), batch)
+        return {"loss": float(loss), "forward_runs": self._read_counters(),
+                "peak_bytes": [None] * len(self.sections), "step_peak_bytes": self.meter.peak()}
 
     def _gradients(self, batch):
+        return self._grads_fn(_size(self.network, batch), batch)
+
+    def _train(self, batch):
+        loss, grads = self._tape_gradients(batch)
+        self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, self._trainable) if g is not None])
+        return loss
+
+    def _run_section(self, sec, h, batch):
+        self._counters[sec.index].assign_add(1)
+        return self.network.run_blocks(h, batch, True, sec.start, sec.stop)
+
+    def _tape_gradients(self, batch):
         with tf.GradientTape() as tape:
             h = batch[self.network.inputs]
-            last = len(self.sections) - 1
             for sec in self.sections:
-                if self.strategy == "recompute_grad" and sec.index < last:
-                    structure = h
-                    flat = tf.recompute_grad(self._section_fn(sec, batch, structure))(*tf.nest.flatten(h))
-                    h = tf.nest.pack_sequence_as(self.sections[sec.index + 1].input_specs, flat)
-                else:
-                    self.counters[sec.index].assign_add(1)
-                    h = self.network.run_blocks(h, batch, True, sec.start, sec.stop)
+                h = self._section_output(sec, h, batch)
             loss = self.network.loss(h, batch)
-        return loss, tape.gradient(loss, self.variables)
+        return loss, tape.gradient(loss, self._trainable)
+
+    def _section_output(self, sec, h, batch):
+        return self._run_section(sec, h, batch)
+
+    def _trace_counts(self) -> dict[str, int]:
+        return {"step": self._train_fn.tracing_count()}
+
+
+class RecomputeGrad(WholeGraph):
+    """Every section but the last wrapped in ``tf.recompute_grad`` (TensorFlow's gradient checkpointing)
+    inside one compiled step. Re-runs update batch-norm statistics again: not exact, as users get it."""
+
+    strategy = "recompute_grad"
+
+    def _section_output(self, sec, h, batch):
+        if sec.index == len(self.sections) - 1:
+            return self._run_section(sec, h, batch)
+        structure = h
+
+        def run(*flat):
+            inner = tf.nest.pack_sequence_as(structure, list(flat))
+            return tf.nest.flatten(self._run_section(sec, inner, batch))
+
+        flat = tf.recompute_grad(run)(*tf.nest.flatten(h))
+        return tf.nest.pack_sequence_as(self.sections[sec.index + 1].input_specs, flat)
 
 
 def _size(network, batch) -> int:

@@ -1,121 +1,218 @@
-"""Memory-budget planner: boundaries and per-section policies that fit a budget with the least re-run work.
+"""The planner: a pure function from per-block costs and a memory budget to a frozen schedule.
 
-Peak model, from the per-block probe: during the backward of section k the live memory is the base
-(variables, optimizer slots, the batch), the input borders of sections 0..k, the kept activations of
-stored sections before k, section k's own training memory and the gradient arriving at its output.
+It follows Rotor's recursion for heterogeneous chains (Beaumont et al. 2019): a segment ``[s, t)`` of blocks,
+whose input border is held and whose output gradient is waiting, is trained either as one section re-run in
+its backward (a leaf), or by running a first section under a unit policy (``store``: keep its tape) and
+solving ``[q, t)``, or by running ``s .. q-1`` forward, keeping border ``q``, solving ``[q, t)`` and then
+``[s, q)`` again from border ``s`` (which re-runs ``s .. q-1``: multi-level recompute). Memory is counted in
+``resolution`` slots of the budget (sizes rounded up, so a plan never exceeds its own prediction); the
+objective is the step's forward work (measured seconds) plus a small cost per section (each is one more
+compiled call).
+
+Peak model: the base (variables, optimizer slots, the batch), the borders and tapes held by outer levels,
+and during a section's backward its activations (kept + largest transient, from the probe) with the
+gradient arriving at its output.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 
-from ._partition import human_bytes
-from ._profile import section_activation_bytes
+import numpy as np
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
-          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+from .rules import human_bytes
+from ._policies import Recompute, Recreate, Store
+from ._schedule import Schedule
 
-
-def parse_bytes(value) -> int:
-    """Bytes from an int or a string such as ``"2GiB"``, ``"512MB"``, ``"1e9"``."""
-    if isinstance(value, bool):
-        raise ValueError(f"memory_budget={value!r}: must be bytes (int) or a string like '2GiB'.")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"memory_budget={value!r}: must be positive.")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"memory_budget={value!r}: must be bytes or a number with a unit "
-            f"(B, KB, MB, GB, KiB, MiB, GiB), e.g. '2GiB'."
-        )
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise ValueError(f"memory_budget={value!r}: must be positive.")
-    return n
-
-
-@dataclass
-class Plan:
-    starts: list
-    policies: list
-    predicted_peak: int
-    rerun_seconds: float
-    budget: int
-    section_peaks: list = field(default_factory=list)
-
-    def summary(self) -> str:
-        return (f"plan: {len(self.starts) + 1} section(s), policies {self.policies}, predicted peak "
-                f"{human_bytes(self.predicted_peak)} (budget {human_bytes(self.budget)}), "
-                f"predicted re-run time {self.rerun_seconds:.3f} s/step")
+_INF = float("inf")
 
 
 @dataclass(frozen=True)
-class _State:
-    carried: int      # bytes alive from earlier sections during later backwards
-    cost: float       # re-run seconds so far
-    peak: int         # largest predicted section peak so far (without base)
-    starts: tuple
-    policies: tuple
+class SectionProfile:
+    """Costs of consecutive blocks run as one section (what policies' ``cost`` reads)."""
+
+    activation_bytes: int
+    stored_bytes: int
+    transient_bytes: int
+    forward_seconds: float
 
 
-def _pareto(states: list[_State]) -> list[_State]:
-    states = sorted(states, key=lambda s: (s.carried, s.cost, s.peak, len(s.starts)))
-    kept: list[_State] = []
-    for s in states:
-        if not any(k.carried <= s.carried and k.cost <= s.cost and k.peak <= s.peak for k in kept):
-            kept.append(s)
-    return kept
+@dataclass(frozen=True)
+class Plan:
+    schedule: Schedule
+    predicted_peak: int
+    rerun_seconds: float
+    budget: int
+    base_bytes: int
+    forward_runs: tuple
+
+    @property
+    def starts(self) -> list:
+        return list(self.schedule.starts)
+
+    @property
+    def policies(self) -> list:
+        return [p.name for p in self.schedule.policies]
+
+    def summary(self) -> str:
+        return (f"plan: {len(self.starts) + 1} section(s), policies {self.policies}, forward runs "
+                f"{list(self.forward_runs)}, predicted peak {human_bytes(self.predicted_peak)} (budget "
+                f"{human_bytes(self.budget)}), predicted re-run time {self.rerun_seconds:.3f} s/step")
 
 
-def _search(profiles, out, fwd, input_bytes, limit):
-    n = len(profiles)
-    border = [input_bytes] + out[:-1]  # bytes of the tensor entering block i
-    frontier = {0: [_State(0, 0.0, 0, (), ())]}
-    finals = []
-    for j in range(n):
-        for s in _pareto(frontier.pop(j, [])):
-            for m in range(j + 1, n + 1):
-                run = profiles[j:m]
-                if m == n:  # the last section runs forward and backward together
-                    peak = max(s.peak, s.carried + border[j] + section_activation_bytes(run))
-                    if peak <= limit:
-                        finals.append(_State(s.carried, s.cost, peak, s.starts, s.policies + ("store",)))
-                    continue
-                starts = s.starts + (m,)
-                for policy in ("store", "recompute"):
-                    peak = max(s.peak, s.carried + border[j] + section_activation_bytes(run, policy) + out[m - 1])
-                    if peak > limit:
-                        continue
-                    if policy == "store":
-                        state = _State(s.carried + border[j] + sum(p.stored_bytes for p in run), s.cost, peak,
-                                       starts, s.policies + (policy,))
-                    else:
-                        state = _State(s.carried + border[j], s.cost + sum(fwd[j:m]), peak, starts,
-                                       s.policies + (policy,))
-                    frontier.setdefault(m, []).append(state)
-    return finals
+class _Chain:
+    """Prefix sums over blocks, so any run of blocks gets its costs in O(1)."""
+
+    def __init__(self, profiles, input_bytes: int):
+        self.n = len(profiles)
+        self.border = [input_bytes] + [p.output_bytes for p in profiles]   # border i enters block i
+        self.border[-1] = 0  # the loss: no gradient waits at the end of the chain
+        self._kept = np.cumsum([0] + [p.kept_bytes for p in profiles])
+        self._stored = np.cumsum([0] + [p.stored_bytes for p in profiles])
+        self._fwd = np.cumsum([0.0] + [p.forward_seconds for p in profiles])
+        self._transient = [p.transient_bytes for p in profiles]
+
+    def section(self, s: int, t: int, scale: float = 1.0) -> SectionProfile:
+        transient = max(self._transient[s:t])
+        return SectionProfile(int(scale * (self._kept[t] - self._kept[s] + transient)),
+                              int(scale * (self._stored[t] - self._stored[s])), int(scale * transient),
+                              float(self._fwd[t] - self._fwd[s]))
+
+    def seconds(self, s: int, t: int) -> float:
+        return float(self._fwd[t] - self._fwd[s])
 
 
-def plan_partition(profiles, input_bytes: int, budget: int, base_bytes: int = 0, margin: float = 0.1) -> Plan:
-    """The plan with the least predicted re-run time whose predicted peak fits ``(1 - margin) * budget``.
+class _Solver:
+    def __init__(self, chain: _Chain, limit: float, units: list, scale: float, resolution: int, overhead: float):
+        self.c, self.units, self.scale, self.overhead = chain, units, scale, overhead
+        self.R = resolution
+        self.slot = max(limit, 1.0) / resolution
+        self.feasible = limit > 0
+        self.f: dict = {}
 
-    The margin covers the model's error (measured peaks ran up to 8% above predictions on the ResNet).
-    Raises ValueError naming the smallest reachable peak when nothing fits.
+    def up(self, b) -> int:
+        return int(math.ceil(b / self.slot - 1e-9))
+
+    def down(self, b) -> int:
+        return int(math.floor(b / self.slot + 1e-9))
+
+    def shifted(self, arr, need: int):
+        """``out[m] = arr[m - need]`` (``inf`` below zero, ``arr[R]`` above R)."""
+        idx = np.arange(self.R + 1) - need
+        out = np.full(self.R + 1, _INF)
+        ok = idx >= 0
+        out[ok] = arr[np.minimum(idx[ok], self.R)]
+        return out
+
+    def options(self, s: int, t: int):
+        """Every way to train segment [s, t): (kind, q, policy, cost over memory slots)."""
+        c, m = self.c, np.arange(self.R + 1)
+        leaf = self.up(c.section(s, t, self.scale).activation_bytes)
+        yield "leaf", t, None, np.where(m >= leaf, c.seconds(s, t) + self.overhead, _INF)
+        for q in range(s + 1, t):
+            grad_q, grad_t = c.border[q], c.border[t]
+            for policy in self.units:
+                pc = policy.cost(c.section(s, q, self.scale))
+                rest = self.shifted(self.f[(q, t)], self.up(pc.kept_bytes + c.border[q]))
+                back = self.up(pc.kept_bytes + pc.backward_bytes + grad_q) - self.down(grad_t)
+                cost = c.seconds(s, q) + pc.extra_seconds + self.overhead + rest
+                yield "unit", q, policy, np.where(m >= back, cost, _INF)
+            right = self.shifted(self.f[(q, t)], self.up(c.border[q]))
+            left = self.shifted(self.f[(s, q)], self.up(grad_q) - self.down(grad_t))
+            yield "split", q, None, c.seconds(s, q) + right + left
+
+    def solve(self) -> float:
+        for length in range(1, self.c.n + 1):
+            for s in range(0, self.c.n - length + 1):
+                t = s + length
+                self.f[(s, t)] = np.min(np.stack([cost for *_, cost in self.options(s, t)]), axis=0)
+        return float(self.f[(0, self.c.n)][self.R]) if self.feasible else _INF
+
+    def tree(self, s: int, t: int, m: int, held: float, out: list, peaks: list):
+        """Follow the cheapest choices from segment [s, t) with m free slots; record (s, t, kind, q, policy)."""
+        best = min(self.options(s, t), key=lambda o: o[3][m])
+        kind, q, policy, _ = best
+        out.append((s, t, kind, q, policy))
+        c = self.c
+        if kind == "leaf":
+            peaks.append(held + c.section(s, t, self.scale).activation_bytes)
+        elif kind == "unit":
+            pc = policy.cost(c.section(s, q, self.scale))
+            self.tree(q, t, m - self.up(pc.kept_bytes + c.border[q]), held + pc.kept_bytes + c.border[q], out, peaks)
+            peaks.append(held - c.border[t] + c.border[q] + pc.kept_bytes + pc.backward_bytes)
+        else:
+            self.tree(q, t, m - self.up(c.border[q]), held + c.border[q], out, peaks)
+            self.tree(s, q, min(self.R, m - self.up(c.border[q]) + self.down(c.border[t])),
+                      held - c.border[t] + c.border[q], out, peaks)
+
+
+def _to_schedule(choices: list, n: int) -> Schedule:
+    """Block-level choices -> sections (between every boundary any choice uses) and section-level actions."""
+    cuts = sorted({q for s, t, kind, q, _ in choices if kind != "leaf"} | {s for s, *_ in choices} - {0})
+    index = {b: i for i, b in enumerate([0, *cuts])}
+    index[n] = len(cuts) + 1
+    actions, stored = {}, set()
+    for s, t, kind, q, policy in choices:
+        if kind == "unit":
+            actions[(index[s], index[t])] = ("policy", index[q])
+            stored.add(index[s])
+        elif kind == "split":
+            actions[(index[s], index[t])] = ("keep", index[q])
+    k_total = len(cuts) + 1
+    top, p = {0}, 0
+    while (p, k_total) in actions:
+        p = actions[(p, k_total)][1]
+        top.add(p)
+    units = {index[s]: policy for s, t, kind, q, policy in choices if kind == "unit"}
+    policies = tuple(units[k] if k in stored else (Recompute() if k in top else Recreate())
+                     for k in range(k_total))
+    return Schedule(tuple(cuts), policies, actions)
+
+
+def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, margin: float = 0.1,
+                  units=(Store(),), activation_scale: float = 1.0, resolution: int = 300,
+                  section_overhead: float | None = None) -> Plan:
+    """The schedule with the least predicted forward work whose predicted peak fits ``(1 - margin) * budget``.
+
+    ``profiles``: per-block costs (``_profile.BlockProfile``: output, kept, transient, stored bytes and forward
+    seconds, at the real batch). ``units``: policies a section may take besides re-running (each weighed by
+    its ``cost``). ``activation_scale`` corrects measured activation bytes (the engine's re-plan). The margin
+    covers the model's error. Raises ValueError naming the smallest reachable peak when nothing fits.
     """
-    limit = (1.0 - margin) * budget
-    out = [p.output_bytes for p in profiles]
-    fwd = [p.forward_seconds for p in profiles]
-    finals = _search(profiles, out, fwd, input_bytes, limit - base_bytes)
-    if not finals:
-        smallest = min(s.peak for s in _search(profiles, out, fwd, input_bytes, float("inf")))
+    from ._schedule import count_forward_runs
+
+    chain = _Chain(profiles, input_bytes)
+    total = chain.seconds(0, chain.n)
+    overhead = 0.01 * total / max(1, chain.n) if section_overhead is None else section_overhead
+    units = list(units)
+
+    def solver(limit):
+        sol = _Solver(chain, limit, units, activation_scale, resolution, overhead)
+        return sol, sol.solve()
+
+    limit = (1.0 - margin) * budget - base_bytes
+    sol, cost = solver(limit)
+    if cost == _INF:
+        smallest = _smallest_peak(solver, base_bytes, margin)
         raise ValueError(
-            f"memory_budget={human_bytes(budget)} ({budget} bytes): no partition fits; the smallest "
-            f"predicted peak reachable is {human_bytes(smallest + base_bytes)} ({smallest + base_bytes} bytes), "
-            f"and plans keep a {margin:.0%} safety margin below the budget."
-        )
-    best = min(finals, key=lambda s: (round(s.cost, 6), len(s.starts), s.peak))
-    policies = list(best.policies)
-    return Plan(list(best.starts), policies, best.peak + base_bytes, best.cost, budget)
+            f"memory_budget={human_bytes(budget)} ({budget} bytes): no partition fits; the smallest predicted "
+            f"peak reachable is {human_bytes(smallest)} ({smallest} bytes), and plans keep a {margin:.0%} "
+            f"safety margin below the budget.")
+    choices, peaks = [], []
+    sol.tree(0, chain.n, sol.R, float(base_bytes), choices, peaks)
+    schedule = _to_schedule(choices, chain.n)
+    return Plan(schedule, int(max(peaks)), cost - total - overhead * schedule.num_sections, budget, base_bytes,
+                tuple(count_forward_runs(schedule)))
+
+
+def _smallest_peak(solver, base_bytes: int, margin: float) -> int:
+    """Bisect on the budget for the smallest predicted peak any schedule reaches."""
+    hi = 1.0
+    while solver(hi)[1] == _INF:
+        hi *= 2
+    lo = hi / 2 if hi > 1 else 0.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if solver(mid)[1] < _INF else (mid, hi)
+    return int(hi + base_bytes)

@@ -15,29 +15,39 @@ from ._relaxed import RelaxedFunction
 from ._structure import float_leaves, nbytes
 
 
-@dataclass
+@dataclass(frozen=True)
 class BlockProfile:
+    """One block's measured costs, at the real batch."""
+
     name: str
-    output_specs: object    # nested TensorSpecs at the real batch
-    output_bytes: int       # at the real batch
+    output_bytes: int       # its output border
     kept_bytes: int         # activations its compiled backward needs (a chain of blocks accumulates these)
     transient_bytes: int    # gradient buffers alive only while its own backward runs
-    measured: bool          # False when the allocator keeps no statistics (estimates from output bytes)
-    forward_seconds: float  # one compiled forward, scaled to the real batch (the re-run cost)
+    forward_seconds: float  # one compiled forward (the re-run cost)
     stored_bytes: int = 0   # what a tape keeps from its compiled forward until its backward (policy "store")
 
-    @property
-    def activation_bytes(self) -> int:
-        return self.kept_bytes + self.transient_bytes
+
+_NOT_ACTIVATIONS = {"Const", "ReadVariableOp", "Identity", "Placeholder", "VarHandleOp", "NoOp", "Shape",
+                    "AssignVariableOp", "AssignAddVariableOp", "StatelessRandomGetKeyCounter"}
 
 
-def section_activation_bytes(profiles, policy: str = "recompute") -> int:
-    """Training memory of consecutive blocks run as one section: what its backward keeps (a re-run's
-    activations, or what a tape stored in the forward) plus the largest transient."""
-    if not profiles:
-        return 0
-    kept = sum(p.stored_bytes if policy == "store" else p.kept_bytes for p in profiles)
-    return kept + max(p.transient_bytes for p in profiles)
+def shape_costs(network, small, real: int, input_specs, output_specs) -> list[int]:
+    """Activation bytes of each block counted from the tensor shapes of its traced forward (every float
+    tensor an op produces), at the real batch. Nothing runs, so this is the same on every run and machine."""
+    pb = int(tf.nest.flatten(small[network.inputs])[0].shape[0])
+    costs = []
+    for block, specs in zip(network.blocks, [input_specs, *output_specs[:-1]]):
+        specs = _real_specs(specs, pb)
+        fn = tf.function(lambda x, b=block: b(x, small, training=True))
+        total = 0
+        for op in fn.get_concrete_function(specs).graph.get_operations():
+            if op.type in _NOT_ACTIVATIONS:
+                continue
+            for t in op.outputs:
+                if t.dtype.is_floating and t.shape.is_fully_defined():
+                    total += t.shape.num_elements() * t.dtype.size
+        costs.append(total * real // pb)
+    return costs
 
 
 def _real_specs(structure, batch: int):
@@ -126,13 +136,11 @@ def profile_blocks(network, small, real: int, meter: MemoryMeter) -> list[BlockP
         kept = max(used - transient, out_bytes) if measured else 2 * out_bytes
         profiles.append(BlockProfile(
             name=block.name,
-            output_specs=_real_specs(out, real),
             output_bytes=nbytes(_real_specs(out, real)),
             kept_bytes=int(kept * scale),
             transient_bytes=int(transient * scale),
-            measured=measured,
             forward_seconds=seconds,
-            stored_bytes=int(max(stored, out_bytes) * scale) if measured else 4 * out_bytes,
+            stored_bytes=int(max(stored, out_bytes) * scale) if measured else 4 * out_bytes * int(scale),
         ))
         h = out
     return profiles

@@ -1,21 +1,20 @@
-"""Does an engine's step equal an ordinary whole-graph step? Measured, then everything is put back."""
+"""Does a trainer's step equal an ordinary whole-graph step? Measured, then everything is put back."""
 
 from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
 
-from ._peers import PeerStep
-
 
 def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1e-4) -> dict:
-    """Compute one step's gradients and state updates with ``engine`` and with one whole-graph tape, from the
-    same state, and compare them.
+    """Compute one step's gradients and state updates with ``engine`` and with one plain whole-graph tape, from
+    the same state, and compare them.
 
     Gradients match when ``|g - g_whole| <= rtol * |g_whole|`` (norms per variable: summation order differs
     between graphs, so single elements that cancel to near zero carry relative noise); state (batch-norm
-    statistics, seed generators) must match elementwise to ``rtol``. ``examples`` slices the batch so the
-    whole-graph step fits in memory (``None``: all of it). Model and optimizer state are restored afterwards.
+    statistics, seed generators) must match elementwise to ``rtol``. Non-finite values are never a match.
+    ``examples`` slices the batch so the whole-graph step fits in memory (``None``: all of it). Model and
+    optimizer state are restored afterwards.
 
     Returns ``{"exact", "gradient_rel_error", "state_max_abs_diff", "worst_variable"}``.
     """
@@ -34,9 +33,7 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
     _, ours = engine.gradients(batch)
     our_state = [v.numpy() for v in network.non_trainable_variables]
     restore()
-    counters = [tf.Variable(0, dtype=tf.int64, trainable=False) for _ in engine.sections]
-    whole = PeerStep(network, engine.optimizer, engine.sections, counters, "whole", engine.jit_compile)
-    _, theirs = whole.gradients(batch)
+    theirs = _whole_gradients(network, batch)
     their_state = [v.numpy() for v in network.non_trainable_variables]
     restore()
 
@@ -50,7 +47,9 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
         a = np.asarray(tf.convert_to_tensor(a), np.float64)  # sparse (embedding) gradients densified
         b = np.asarray(tf.convert_to_tensor(b), np.float64)
         rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-        if rel > worst_rel:
+        if not np.isfinite(rel) or not np.all(np.isfinite(a)) or not np.all(np.isfinite(b)):
+            rel = float("inf")
+        if rel > worst_rel or not worst_name:
             worst_rel, worst_name = rel, v.path
     exact = exact and worst_rel <= rtol
     state_diff = 0.0
@@ -58,7 +57,18 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         if a.size:
             state_diff = max(state_diff, float(np.max(np.abs(a - b))))
-        if not np.allclose(a, b, rtol=rtol, atol=1e-6):
+        if not np.allclose(a, b, rtol=rtol, atol=1e-6) or not np.all(np.isfinite(a)):
             exact, worst_name = False, v.path
-    return {"exact": exact, "gradient_rel_error": worst_rel, "state_max_abs_diff": state_diff,
+            state_diff = float("inf") if not np.all(np.isfinite(a)) else state_diff
+    return {"exact": bool(exact), "gradient_rel_error": worst_rel, "state_max_abs_diff": state_diff,
             "worst_variable": worst_name}
+
+
+def _whole_gradients(network, batch):
+    @tf.function
+    def grads(batch):
+        with tf.GradientTape() as tape:
+            loss = network.loss(network.forward(batch, training=True), batch)
+        return tape.gradient(loss, network.trainable_variables)
+
+    return grads(batch)

@@ -71,6 +71,8 @@ def check_sections_arg(sections, memory_budget=None) -> None:
         if not sections or not all(isinstance(n, str) and n for n in sections):
             raise ValueError(f"sections={list(sections)!r}: a list of sections must hold one or more boundary "
                              f"names (strings).")
+        if len(set(sections)) != len(sections):
+            raise ValueError(f"Section boundaries {list(sections)} name the same place twice.")
 
 
 def default_boundaries(block_names: Sequence[str]) -> dict[str, int]:

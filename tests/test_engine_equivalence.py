@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from sections import Engine
+from sections import Engine, RecomputeGrad, WholeGraph
 from engine_nets import (assert_same_variables, hard_network, make_batch, reference_train,
                          twin_networks)
 
@@ -46,7 +46,7 @@ def test_jit_compiled_engine_equals_jit_whole_graph_step():
     # XLA draws its own random bits for stateless ops, so the reference is the XLA whole-graph step.
     batch = make_batch()
     ref, net = twin_networks(hard_network, batch)
-    whole = Engine(ref, keras.optimizers.SGD(0.1, momentum=0.9), strategy="whole", jit_compile=True)
+    whole = WholeGraph(ref, keras.optimizers.SGD(0.1, momentum=0.9), jit_compile=True)
     engine = Engine(net, keras.optimizers.SGD(0.1, momentum=0.9), sections=["split", "gate"],
                     policy=["recompute", "store", "recompute"], jit_compile=True)
     for _ in range(2):
@@ -69,7 +69,7 @@ def test_whole_strategy_equals_reference():
     batch = make_batch()
     ref, net = twin_networks(hard_network, batch)
     reference_train(ref, [batch] * 2, keras.optimizers.Adam(1e-2))
-    engine = Engine(net, keras.optimizers.Adam(1e-2), sections=3, strategy="whole")
+    engine = WholeGraph(net, keras.optimizers.Adam(1e-2), sections=3)
     for _ in range(2):
         stats = engine.train_step(batch)
     assert stats["forward_runs"] == [1, 1, 1]
@@ -82,7 +82,7 @@ def test_recompute_grad_reruns_and_misses_batch_norm_statistics():
     batch = make_batch()
     ref, net = twin_networks(hard_network, batch)
     reference_train(ref, [batch], keras.optimizers.Adam(1e-2))
-    engine = Engine(net, keras.optimizers.Adam(1e-2), sections=["split", "gate"], strategy="recompute_grad")
+    engine = RecomputeGrad(net, keras.optimizers.Adam(1e-2), sections=["split", "gate"])
     stats = engine.train_step(batch)
     assert stats["forward_runs"] == [2, 2, 1]
     with pytest.raises(AssertionError):
@@ -101,13 +101,13 @@ def test_evaluate_changes_no_state():
         np.testing.assert_array_equal(b, v.numpy())
 
 
-@pytest.mark.parametrize("strategy,exact", [("sectioned", True), ("whole", True), ("recompute_grad", False)])
-def test_compare_with_whole_reports_exactness_and_restores_state(strategy, exact):
+@pytest.mark.parametrize("trainer,exact", [(Engine, True), (WholeGraph, True), (RecomputeGrad, False)])
+def test_compare_with_whole_reports_exactness_and_restores_state(trainer, exact):
     from sections import compare_with_whole
 
     batch = make_batch()
     net = hard_network()
-    engine = Engine(net, keras.optimizers.Adam(1e-2), sections=["split", "gate"], strategy=strategy)
+    engine = trainer(net, keras.optimizers.Adam(1e-2), sections=["split", "gate"])
     engine.train_step(batch)
     before = [v.numpy().copy() for v in net.variables + list(engine.optimizer.variables)]
     report = compare_with_whole(engine, batch, examples=8)

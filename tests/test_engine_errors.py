@@ -20,8 +20,8 @@ def engine(**kw):
     (dict(sections=0), "sections=0: must be at least 1"),
     (dict(sections=2.5), "must be an int >= 1"),
     (dict(sections=3, policy=["store", "recompute"]), "policy has 2 entries"),
-    (dict(policy="cache"), r"Unknown policy 'cache'; allowed: \['recompute', 'store'\]"),
-    (dict(strategy="magic"), "Unknown strategy 'magic'"),
+    (dict(policy="cache"), r"Unknown policy 'cache'; allowed: \['recompute', 'store', 'recreate'\]"),
+    (dict(policy="stor"), r"did you mean 'store'"),
     (dict(sections="auto"), "needs memory_budget"),
     (dict(sections="auto", memory_budget="lots"), "memory_budget='lots'"),
 ])

@@ -4,7 +4,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from sections import Engine, ReplayMismatchError, Network
+from sections import Engine, Network, ReplayMismatchError, WholeGraph
 from engine_nets import conv_stack, hard_network, make_batch
 
 
@@ -54,22 +54,24 @@ def test_describe_lists_the_partition():
     assert rows[2]["input_border"] == "(32x8x8x4, 32)"
 
 
-def test_int_sections_balance_measured_activation_memory():
+def test_int_sections_balance_activation_bytes_counted_from_shapes():
     batch = make_batch(n=64, size=16, classes=10)
-    engine = Engine(conv_stack(depth=12), keras.optimizers.Adam(1e-3), sections=4)
-    engine.build(batch)
-    sizes = [len(s.block_names) for s in engine.sections]
-    assert sum(sizes) == 13 and len(sizes) == 4
-    # The head is cheap, so a balanced cut gives it company; no section takes over half the blocks.
-    assert max(sizes) <= 5 and min(s.activation_bytes for s in engine.sections) > 0
+    cuts = []
+    for _ in range(2):
+        engine = Engine(conv_stack(depth=12), keras.optimizers.Adam(1e-3), sections=4)
+        engine.build(batch)
+        cuts.append([len(s.block_names) for s in engine.sections])
+    assert cuts[0] == cuts[1], "the same int gives the same cut every time"
+    assert sum(cuts[0]) == 13 and len(cuts[0]) == 4
+    # Equal conv blocks, and a cheap head that gets company: no section takes over 5 blocks.
+    assert max(cuts[0]) <= 5 and min(engine.shape_costs) > 0
 
 
 def test_recompute_peak_is_well_under_whole_graph_peak():
     batch = make_batch(n=128, size=32, classes=10)
     peaks = {}
-    for strategy, sections in [("whole", 1), ("sectioned", 4)]:
-        engine = Engine(conv_stack(depth=12, filters=16), keras.optimizers.Adam(1e-3),
-                        sections=sections, strategy=strategy)
+    for strategy, trainer, sections in [("whole", WholeGraph, 1), ("sectioned", Engine, 4)]:
+        engine = trainer(conv_stack(depth=12, filters=16), keras.optimizers.Adam(1e-3), sections=sections)
         engine.train_step(batch)
         if not engine.meter.available:
             pytest.skip("the allocator keeps no statistics on this device (CPU stats need oneDNN)")
@@ -95,3 +97,13 @@ def test_each_border_is_freed_once_its_section_is_done(monkeypatch):
     before_backward = live[1:10]  # resets: forward, then the backward of sections 8, 7, ..., 0
     drops = [a - b for a, b in zip(before_backward[1:], before_backward[2:])]
     assert all(0.9 * border <= d <= 1.2 * border for d in drops), (drops, border)
+
+
+def test_flops_per_section_are_positive_and_backward_exceeds_forward():
+    batch = make_batch(n=32, size=16, classes=10)
+    engine = Engine(conv_stack(depth=4), keras.optimizers.Adam(1e-3), sections=3)
+    engine.build(batch)
+    flops = engine.flops()
+    assert len(flops) == 3
+    for f in flops:
+        assert 0 < f["forward"] < f["backward"], flops

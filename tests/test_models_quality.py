@@ -15,7 +15,7 @@ import tensorflow as tf
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from sections import Engine
+from sections import Engine, WholeGraph
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def test_attention_sectioned_step_equals_whole_graph_step():
     batches = iter(source.train_batches(64, seed=1))
     batches = [next(batches) for _ in range(3)]
     a = Engine(sectioned, keras.optimizers.Adam(1e-3), sections=sections, policy="recompute", check=True)
-    b = Engine(whole, keras.optimizers.Adam(1e-3), strategy="whole")
+    b = WholeGraph(whole, keras.optimizers.Adam(1e-3))
     losses_a = [a.train_step(x)["loss"] for x in batches]
     losses_b = [b.train_step(x)["loss"] for x in batches]
     np.testing.assert_allclose(losses_a, losses_b, rtol=1e-4, atol=1e-5)

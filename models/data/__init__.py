@@ -6,5 +6,6 @@ from .digits import digits
 from .mnist import mnist
 from .sequences import SequenceSource, sequences
 from .synthetic import synthetic
+from .text import TextSource, text
 
-__all__ = ["digits", "mnist", "synthetic", "sequences", "ImageSource", "SequenceSource"]
+__all__ = ["digits", "mnist", "synthetic", "sequences", "text", "ImageSource", "SequenceSource", "TextSource"]

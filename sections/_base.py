@@ -1,0 +1,177 @@
+"""What every trainer shares (the engine and the baselines): arguments, build, partition, evaluation, reports."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import tensorflow as tf
+
+from . import rules
+from ._memory import MemoryMeter
+from ._network import Network, unique_variables
+from ._partition import Section, balanced_starts, format_table
+from ._profile import output_specs, probe_slice, shape_costs
+from ._structure import nbytes
+
+
+class Trainer:
+    """Base of ``Engine``, ``WholeGraph`` and ``RecomputeGrad``: the same arguments and public methods.
+
+    Subclasses set ``strategy`` and implement ``_settle`` (the partition), ``_compile`` and ``_step``.
+    """
+
+    strategy = "?"
+
+    def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
+                 policy="recompute", jit_compile: bool = False, memory_budget: int | str | None = None,
+                 probe_batch: int = 64, device: str | None = None):
+        if not isinstance(network, Network):
+            raise ValueError(f"network must be a sections.Network; got {type(network).__name__}.")
+        if isinstance(sections, tuple):
+            sections = list(sections)
+        rules.check_sections_arg(sections, memory_budget)
+        if isinstance(sections, int):
+            rules.check_section_count(sections, len(network.blocks), network.block_names)
+        self.network = network
+        self.optimizer = optimizer
+        self.jit_compile = bool(jit_compile)
+        self.probe_batch = int(probe_batch)
+        self.meter = MemoryMeter(device)
+        self.memory_budget = rules.parse_bytes(memory_budget) if memory_budget is not None else None
+        self._sections_arg = sections
+        self._starts = network.boundary_starts(sections) if isinstance(sections, list) else None
+        self.sections: list[Section] = []
+        self.plan = None
+        self._built = False
+
+    # ------------------------------------------------------------------ build
+    def build(self, batch: Mapping[str, tf.Tensor]) -> None:
+        """Create variables (without running anything: no state moves), settle the partition, build the optimizer."""
+        if self._built:
+            return
+        self.network.check_batch(batch)
+        self.network.build(batch)
+        self._probe = probe_slice(self.network, batch, self.probe_batch)
+        self._batch_bytes = nbytes(dict(batch))
+        self._output_specs, self._input_specs = output_specs(self.network, *self._probe)
+        starts, policies = self._settle(batch)
+        self._make_sections(starts, policies)
+        self._trainable = self.network.trainable_variables
+        self._var_index = {id(v): i for i, v in enumerate(self._trainable)}
+        if not getattr(self.optimizer, "built", False):
+            self.optimizer.build(self._trainable)
+        self._counters = [tf.Variable(0, dtype=tf.int64, trainable=False) for _ in self.sections]
+        self._fields = [self.network.fields_for(s.start, s.stop, list(batch)) for s in self.sections]
+        self._evaluate = tf.function(self._evaluate_fn)
+        self._compile()
+        self._built = True
+
+    def _balanced_starts(self, count: int) -> list[int]:
+        """``count`` sections balanced by activation bytes counted from tensor shapes (the same cut on every
+        run and machine, unlike measured memory)."""
+        if count == 1:
+            return []
+        self.shape_costs = shape_costs(self.network, *self._probe, self._input_specs, self._output_specs)
+        return balanced_starts(self.shape_costs, count)
+
+    def _make_sections(self, starts, policies) -> None:
+        blocks = self.network.blocks
+        bounds = [0, *starts, len(blocks)]
+        self.sections = []
+        for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            layers = [b.layer for b in blocks[lo:hi]]
+            in_specs = self._input_specs if lo == 0 else self._output_specs[lo - 1]
+            self.sections.append(Section(
+                index=k, start=lo, stop=hi, block_names=[b.name for b in blocks[lo:hi]], policy=policies[k],
+                variables=unique_variables(v for layer in layers for v in layer.trainable_variables),
+                state_variables=unique_variables(v for layer in layers for v in layer.non_trainable_variables),
+                input_bytes=nbytes(in_specs), input_specs=in_specs))
+
+    def _views(self, batch) -> list[dict]:
+        return [{key: batch[key] for key in fields} for fields in self._fields]
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, batch: Mapping[str, tf.Tensor]) -> dict:
+        """One training step; returns loss, forward runs per section, peak bytes per section and for the step."""
+        self.build(batch)
+        self.network.check_batch(batch)
+        return self._step(dict(batch))
+
+    def gradients(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, list]:
+        """Loss and gradients (aligned with ``network.trainable_variables``; None where a variable gets none),
+        computed as a step would, state updates included, but not applied."""
+        self.build(batch)
+        self.network.check_batch(batch)
+        loss, grads = self._gradients(dict(batch))
+        self._read_counters()
+        return loss, list(grads)
+
+    def _read_counters(self) -> list[int]:
+        runs = [int(c.numpy()) for c in self._counters]
+        for c in self._counters:
+            c.assign(0)
+        return runs
+
+    def _evaluate_fn(self, batch):
+        out = self.network.forward(batch, training=False)
+        values = {"loss": self.network.loss(out, batch)}
+        for name, fn in self.network.metrics.items():
+            values[name] = fn(out, batch)
+        return values
+
+    def evaluate(self, batch: Mapping[str, tf.Tensor]) -> dict:
+        """Loss and metrics in inference mode (no state changes)."""
+        self.build(batch)
+        self.network.check_batch(batch)
+        return {k: float(v) for k, v in self._evaluate(dict(batch)).items()}
+
+    # ------------------------------------------------------------------ reports
+    def _policy_label(self, section) -> str:
+        return self.strategy
+
+    def partition_rows(self) -> list[dict]:
+        """The partition as table rows (nothing is measured to make it)."""
+        self._require_built()
+        rows = []
+        for s in self.sections:
+            rows.append({
+                "section": s.index,
+                "blocks": _span(s.block_names),
+                "n_blocks": len(s.block_names),
+                "params": s.num_parameters,
+                "input_border": _fmt_specs(s.input_specs),
+                "border_bytes": rules.human_bytes(s.input_bytes),
+                "policy": self._policy_label(s),
+            })
+        return rows
+
+    def describe(self) -> str:
+        """The partition as a plain-text table (and the plan, when the planner made one)."""
+        table = format_table(self.partition_rows())
+        return table + ("\n" + self.plan.summary() if self.plan is not None else "")
+
+    def trace_counts(self) -> dict[str, int]:
+        """Traced graphs per compiled function (constant over steps of a fixed batch shape)."""
+        self._require_built()
+        return self._trace_counts()
+
+    def _require_built(self) -> None:
+        if not self._built:
+            raise RuntimeError("Not built yet: call build(batch) or train_step(batch) first.")
+
+
+def _span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+
+
+def _fmt_specs(specs) -> str:
+    leaves = tf.nest.flatten(specs)
+    text = ", ".join("x".join(str(d) for d in t.shape.as_list()) for t in leaves)
+    return text if len(leaves) == 1 else f"({text})"
+
+
+def add_gradients(a, b):
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0),
+                                a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)

@@ -1,0 +1,102 @@
+"""Sweeps on Hydra's real launchers and sweeper: submitit (local executor; SLURM composes) and Optuna."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from runner.app import CONF
+from runner.schema import register
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HYDRA_FULL_ERROR": ""}
+SMALL = ["model.hidden=[16]", "data.train_size=64", "data.test_size=32", "train=smoke", "train.steps=2",
+         "train.verify_exact=false"]  # model=mlp data=synthetic, small
+
+
+def runner(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+
+
+def hydra_config(*overrides: str):
+    register()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=True).hydra
+
+
+def test_slurm_and_local_launchers_extend_the_plugin_configs():
+    slurm = hydra_config("hydra/launcher=slurm").launcher
+    assert slurm._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert (slurm.timeout_min, slurm.gpus_per_node, slurm.cpus_per_task, slurm.mem_gb, slurm.array_parallelism) == (
+        120, 1, 8, 64, 16)
+    assert "qos" in slurm and "account" in slurm  # every field of the plugin's SlurmQueueConf
+    with pytest.raises(ConfigCompositionException):  # and its types
+        hydra_config("hydra/launcher=slurm", "hydra.launcher.timeout_min=two_hours")
+    local = hydra_config("hydra/launcher=local").launcher
+    assert local._target_.endswith("submitit_launcher.LocalLauncher") and local.timeout_min == 120
+    for plugin in ("submitit_local", "submitit_slurm", "joblib"):  # the plugins' own configs stay reachable
+        assert hydra_config(f"hydra/launcher={plugin}").launcher._target_.startswith("hydra_plugins.")
+
+
+def test_optuna_experiment_searches_learning_rate_and_batch_maximizing_the_metric():
+    sweeper = hydra_config("experiment=optuna_mlp").sweeper
+    assert sweeper._target_.endswith("OptunaSweeper") and sweeper.direction == "maximize"
+    assert dict(sweeper.params) == {"optimizer.learning_rate": "tag(log, interval(1e-4, 3e-2))",
+                                    "batch": "choice(32, 64, 128)"}
+
+
+def job_folders(sweep: Path) -> list[Path]:
+    return sorted((p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name)
+
+
+def test_two_job_sweep_through_submitit_local_runs_each_job_in_its_own_process(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = runner("-m", "model=mlp", "data=synthetic", *SMALL, "batch=8", "hydra/launcher=local", "optimizer.learning_rate=0.001,0.01",
+                  f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = job_folders(sweep)
+    assert [p.name for p in jobs] == ["0", "1"]
+    rates, pids = set(), set()
+    for job in jobs:
+        assert json.loads((job / "status.json").read_text())["status"] == "completed"
+        assert json.loads((job / "metrics.json").read_text())["step"] == 2
+        rates.add(OmegaConf.load(job / "config.yaml").optimizer.learning_rate)
+        (events,) = job.glob("events.out.tfevents.*")
+        pids.add(events.name.split(".")[-3])  # events.out.tfevents.<time>.<host>.<pid>.<n>.v2
+    assert rates == {0.001, 0.01}
+    assert len(pids) == 2 and str(os.getpid()) not in pids  # submitit ran them, not this process or the runner's
+    assert len([p for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]) == 2  # submitit's job folders
+    assert "[sweep] 2 jobs, 2 completed, 0 failed" in proc.stdout
+    assert "Submitit 'local' sweep output dir" in proc.stdout + proc.stderr
+
+
+def test_optuna_sweeps_four_trials_and_writes_the_best(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = runner("-m", "experiment=optuna_mlp", *SMALL, "hydra.sweeper.n_trials=4",  # a batch given here would fix it
+                  f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = job_folders(sweep)
+    assert [p.name for p in jobs] == ["0", "1", "2", "3"]
+    trials = []
+    for job in jobs:
+        status = json.loads((job / "status.json").read_text())
+        cfg = OmegaConf.load(job / "config.yaml")
+        assert status["status"] == "completed" and 1e-4 <= cfg.optimizer.learning_rate <= 3e-2
+        assert cfg.batch in (32, 64, 128) and cfg.model._target_ == "models.build_mlp"
+        trials.append((status["value"], cfg.optimizer.learning_rate, cfg.batch))
+    assert len({lr for _, lr, _ in trials}) == 4  # the sampler drew four learning rates
+    best = OmegaConf.load(sweep / "optimization_results.yaml")
+    value, lr, batch = max(trials)
+    assert best.best_value == value and math.isclose(best.best_params["optimizer.learning_rate"], lr)
+    assert best.best_params.batch == batch
+    assert "[sweep] 4 jobs, 4 completed, 0 failed" in proc.stdout
