@@ -37,7 +37,8 @@ def build(cfg: DictConfig) -> Setup:
     engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
     probe = next(iter(data.train_batches(cfg.batch, cfg.train.seed)))
     try:
-        engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections)
+        engine = instantiate(cfg.engine, "engine", _convert_="all", network=network, optimizer=optimizer,
+                             sections=sections)
         engine.build(probe)
     except ValueError as err:
         raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
