@@ -41,7 +41,7 @@ def build(cfg: DictConfig) -> Setup:
     probe = next(iter(data.train_batches(cfg.batch, cfg.train.seed)))
     try:
         engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections,
-                             _convert_="all")
+                             _convert_="all")  # a plain list of boundary names, not a ListConfig
         engine.build(probe)
     except ValueError as err:
         raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err

@@ -57,8 +57,8 @@ def check(cfg: DictConfig, environ: Optional[Mapping[str, str]] = None) -> Optio
         if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 1:
             raise ConfigError("distribute.cpu_devices", cpu, "must be a positive integer or null")
         if node.kind != "mirrored":
-            raise ConfigError("distribute.cpu_devices", cpu,
-                              f"only distribute=mirrored uses logical CPU devices (this run has distribute={node.kind})")
+            raise ConfigError("distribute.cpu_devices", cpu, "only distribute=mirrored uses logical CPU devices "
+                              f"(this run has distribute={node.kind})")
         check_batch(cfg.batch, cpu, f"{cpu} logical CPU devices")
     if node.kind != "multi_worker":
         return None
@@ -132,12 +132,11 @@ def _tf_config_task(text: str) -> Task:
 
 
 def _slurm_task(env: Mapping[str, str]) -> Task:
-    try:
-        rank, tasks = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
-    except ValueError:
-        raise ConfigError("SLURM_PROCID", env["SLURM_PROCID"],
-                          f"SLURM_PROCID and SLURM_STEP_NUM_TASKS (={env['SLURM_STEP_NUM_TASKS']}) must be integers") from None
-    return Task("slurm", "worker", rank, tasks)
+    rank, tasks = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
+    if not (rank.isdigit() and tasks.isdigit() and int(rank) < int(tasks)):
+        raise ConfigError("SLURM_PROCID", f"{rank} (SLURM_STEP_NUM_TASKS={tasks})",
+                          "must be a task rank below the number of tasks, as srun sets them")
+    return Task("slurm", "worker", int(rank), int(tasks))
 
 
 def check_batch(batch, replicas: int, where: str) -> None:

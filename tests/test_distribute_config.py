@@ -87,6 +87,8 @@ def test_none_is_the_default_and_every_option_composes():
      "distribute.communication=gloo: allowed: auto, ring, nccl"),
     (["distribute=multi_worker", "distribute.timeout_seconds=0"], SRUN,
      "distribute.timeout_seconds=0.0: must be a positive number or null"),
+    (["distribute=multi_worker"], {**SRUN, "SLURM_PROCID": "2"},
+     "SLURM_PROCID=2 (SLURM_STEP_NUM_TASKS=2): must be a task rank below the number of tasks, as srun sets them"),
     (["distribute.cpu_devices=2"], {}, "distribute.cpu_devices=2: only distribute=mirrored uses logical CPU devices "
                                        "(this run has distribute=none)"),
     (["distribute=mirrored", "distribute.cpu_devices=0"], {}, "distribute.cpu_devices=0: must be a positive integer"),
@@ -94,6 +96,7 @@ def test_none_is_the_default_and_every_option_composes():
 ], ids=["batch-not-divisible", "multi-worker-no-cluster", "tf-config-not-json", "tf-config-no-task",
         "tf-config-index-out-of-range", "tf-config-no-port", "tf-config-ps-job", "tf-config-unknown-type",
         "slurm-not-under-srun", "tf-config-not-set", "unknown-cluster", "unknown-communication", "zero-timeout",
+        "slurm-rank-out-of-range",
         "cpu-devices-without-mirrored", "zero-cpu-devices", "unknown-kind"])
 def test_bad_distribute_input_is_one_line_naming_the_value(overrides, environ, message):
     assert message in refused(composed(*overrides), environ)
@@ -172,3 +175,18 @@ def test_two_slurm_tasks_on_a_cpu_node_all_reduce_over_both():
     (first,), (second,) = [outcome(p) for p in procs]
     assert (first["replicas"], first["chief"], first["sum"]) == (2, True, 3.0)
     assert (second["replicas"], second["chief"], second["devices"]) == (2, False, ["worker:1/CPU:0"])
+
+
+@pytest.mark.slow
+def test_a_dead_worker_makes_the_other_fail_instead_of_hanging():
+    ports = free_ports(2)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    procs = [worker({"kind": "multi_worker"}, env={**ENV, "TF_CONFIG": json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": i}}), **extra})
+        for i, extra in enumerate([{"FAKE_WORKER_WAITS": "3"}, {"FAKE_WORKER_DIES": "1"}])]
+    try:
+        out, err = procs[0].communicate(timeout=180)  # a hang fails here
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode != 0 and "UnavailableError" in err and "/job:worker/replica:0/task:1" in err
