@@ -156,6 +156,7 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+@pytest.mark.slow  # ~30 s on the shared 2-core machine; the runner's multi-worker test covers TF_CONFIG by default
 def test_two_workers_from_tf_config_all_reduce_over_both():
     ports = free_ports(2)
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
