@@ -3,7 +3,7 @@
     check(cfg)               # no TensorFlow: the config, TF_CONFIG or SLURM, the batch where the replicas are known
     task(cfg)                # no TensorFlow: this process's place in a multi-worker cluster (None otherwise)
     strategy = make_strategy(cfg)   # None for distribute=none; call it before anything else runs TensorFlow
-    replicas(strategy), devices(strategy), is_chief(strategy)
+    replicas(strategy), devices(strategy), is_chief(strategy), summary(strategy)   # summary: for metrics.json
 
 `distribute=none` makes no strategy (the engine's single-device path). `mirrored` is a `MirroredStrategy` over the
 local GPUs, or over `cpu_devices` logical CPU devices (they must be configured before TensorFlow initializes its
@@ -195,6 +195,20 @@ def devices(strategy) -> list[str]:
         short = f"{spec.device_type}:{spec.device_index}"
         names.append(short if spec.job in (None, "localhost") else f"{spec.job}:{spec.task}/{short}")
     return names
+
+
+def workers(strategy) -> int:
+    """Processes training together: the cluster's chief and workers for multi_worker, else 1."""
+    resolver = getattr(strategy, "cluster_resolver", None) if strategy is not None else None
+    if resolver is None:
+        return 1
+    spec = resolver.cluster_spec().as_dict()
+    return max(1, sum(len(spec.get(job, [])) for job in WORKER_TYPES))
+
+
+def summary(strategy) -> dict:
+    """What metrics.json records about the topology: replicas, workers and this worker's devices."""
+    return {"replicas": replicas(strategy), "workers": workers(strategy), "devices": devices(strategy)}
 
 
 def is_chief(strategy) -> bool:

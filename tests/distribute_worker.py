@@ -39,9 +39,8 @@ def main(overrides: str, batch: str, then: str | None = None) -> None:
             lambda: tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32)))
         total = float(strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None))
     task = distribute.task(cfg)
-    print(json.dumps({"replicas": distribute.replicas(strategy), "devices": distribute.devices(strategy),
-                      "chief": distribute.is_chief(strategy), "task_chief": task.is_chief if task else None,
-                      "sum": total}), flush=True)
+    print(json.dumps({**distribute.summary(strategy), "chief": distribute.is_chief(strategy),
+                      "task_chief": task.is_chief if task else None, "sum": total}), flush=True)
     if then is not None:  # a second strategy in the same process, after TensorFlow initialized its devices
         try:
             again = distribute.make_strategy(config(then, batch))

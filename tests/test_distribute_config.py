@@ -141,7 +141,8 @@ def outcome(proc: subprocess.Popen) -> list[dict]:
 
 def test_mirrored_over_two_logical_cpu_devices_has_two_replicas():
     seen, again = outcome(worker({"kind": "mirrored", "cpu_devices": 2}, 8, {"kind": "mirrored", "cpu_devices": 4}))
-    assert seen == {"replicas": 2, "devices": ["CPU:0", "CPU:1"], "chief": True, "task_chief": None, "sum": 3.0}
+    assert seen == {"replicas": 2, "workers": 1, "devices": ["CPU:0", "CPU:1"], "chief": True, "task_chief": None,
+                    "sum": 3.0}
     assert again["error"] == ("distribute.cpu_devices=4: TensorFlow already initialized 2 CPU device(s) in this "
                               "process; make the strategy before anything else runs TensorFlow")
 
@@ -156,14 +157,17 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+@pytest.mark.slow  # ~30 s on the shared 2-core machine; the runner's multi-worker test covers TF_CONFIG by default
 def test_two_workers_from_tf_config_all_reduce_over_both():
     ports = free_ports(2)
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
     procs = [worker({"kind": "multi_worker"}, env={**ENV, "TF_CONFIG": json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": i}})}) for i in range(2)]
     (first,), (second,) = [outcome(p) for p in procs]
-    assert first == {"replicas": 2, "devices": ["worker:0/CPU:0"], "chief": True, "task_chief": True, "sum": 3.0}
-    assert second == {"replicas": 2, "devices": ["worker:1/CPU:0"], "chief": False, "task_chief": False, "sum": 3.0}
+    assert first == {"replicas": 2, "workers": 2, "devices": ["worker:0/CPU:0"], "chief": True, "task_chief": True,
+                     "sum": 3.0}
+    assert second == {"replicas": 2, "workers": 2, "devices": ["worker:1/CPU:0"], "chief": False,
+                      "task_chief": False, "sum": 3.0}
 
 
 @pytest.mark.slow
@@ -173,7 +177,7 @@ def test_two_slurm_tasks_on_a_cpu_node_all_reduce_over_both():
     procs = [worker({"kind": "multi_worker", "port_base": port}, env={**ENV, **slurm, "SLURM_PROCID": str(i)})
              for i in range(2)]
     (first,), (second,) = [outcome(p) for p in procs]
-    assert (first["replicas"], first["chief"], first["sum"]) == (2, True, 3.0)
+    assert (first["replicas"], first["workers"], first["chief"], first["sum"]) == (2, 2, True, 3.0)
     assert (second["replicas"], second["chief"], second["devices"]) == (2, False, ["worker:1/CPU:0"])
 
 
