@@ -117,7 +117,7 @@ def partition_table(engine) -> str:
     """The engine's partition table, with FLOPs per section when the engine can count them."""
     table = engine.describe()
     flops = section_flops(engine)
-    if flops:
+    if flops and "flops" not in table.lower():  # the engine's own table may already list them
         table += "\nFLOPs per step: " + ", ".join(
             f"section {k} forward {f['forward']:.3g} backward {f['backward']:.3g}" for k, f in enumerate(flops))
     return table
@@ -127,11 +127,16 @@ def section_flops(engine) -> list[dict] | None:
     """`engine.flops()` (forward/backward FLOPs per section, TensorFlow's cost analysis), where it exists."""
     if not hasattr(engine, "flops"):
         return None
+    tf_log = logging.getLogger("tensorflow")
+    level = tf_log.level
+    tf_log.setLevel(logging.ERROR)  # the cost analysis goes through TF1 APIs that log deprecation warnings
     try:
         return [dict(f) for f in engine.flops()]
     except Exception as err:  # cost analysis is best effort: a missing figure must not stop a run
         log.warning(f"FLOPs not available: {type(err).__name__}: {err}")
         return None
+    finally:
+        tf_log.setLevel(level)
 
 
 def device_name() -> str:

@@ -75,16 +75,26 @@ def test_schema_types_every_engine_and_train_field():
 def _fake_run(folder: Path) -> Path:
     (folder / "checkpoints").mkdir(parents=True)
     (folder / "checkpoints" / "checkpoint").write_text("")
+    (folder / "checkpoints" / "ckpt-1.index").write_text("")
     (folder / "config.yaml").write_text("model:\n  _target_: models.build_mlp\n  hidden: [8]\n")
     return folder
 
 
 BAD = [
     (["foo=1"], "foo=1: unknown key; the top level has: model"),
-    (["train.stepz=3"], "train.stepz=3: unknown key; train has: steps"),
+    (["train.stepz=3"], "train.stepz=3: unknown key (did you mean 'steps'?); train has: steps"),
+    (["optimizer.learning_rate=abc"], "optimizer.learning_rate=abc: must be a number"),
+    (["optimizer.learning_rate=inf"], "optimizer.learning_rate=inf: must be a finite number"),
+    (["optimizer.learning_rate=nan"], "optimizer.learning_rate=nan: must be a finite number"),
+    (["optimizer=sgd", "optimizer.momentum=abc"], "optimizer.momentum=abc: must be a number"),
+    (["train.seed=-1"], "train.seed=-1: must be an integer from 0 to 4294967295"),
+    (["train.profile_steps=[3,1]"], "train.profile_steps=[3,1]: must be [first, last]"),
+    (["sections=[a"], "sections=[a: not valid override syntax"),
+    (["model=resnte"], "model=resnte: unknown option (did you mean 'resnet'?); allowed: attention"),
+    (["optimizer.beta1=0.5"], "optimizer.beta1=0.5: unknown key (did you mean 'beta_1'?)"),
     (["batch=abc"], "batch=abc: must be an integer"),
     (["engine.jit_compile=maybe"], "engine.jit_compile=maybe: must be true or false"),
-    (["model=nope"], "model=nope: unknown option; allowed: attention, mlp, resnet"),
+    (["model=nope"], "model=nope: unknown option; allowed: attention, gpt, keras_app, keras_file, mlp, resnet"),
     (["data=nope"], "data=nope: unknown option; allowed: digits"),
     (["optimizer=nope"], "optimizer=nope: unknown option; allowed: adam"),
     (["optimizer.bogus=1"], "optimizer.bogus=1: unknown key; optimizer has: _target_, learning_rate"),
@@ -101,7 +111,10 @@ BAD = [
     (["engine._target_=bad"], "engine._target_=bad: allowed: sections.Engine, sections.WholeGraph, sections.RecomputeGrad"),
     (["train.progress=x"], "train.progress=x: allowed: auto, bar, log"),
     (["resume=/no/such/run"], "resume=/no/such/run: no such folder"),
-    (["resume={tmp}/other", "model=resnet"], "trained a different model"),
+    (["resume={tmp}/other", "model=resnet"], "cannot change model._target_ (models.build_mlp -> models.build_resnet)"),
+    (["resume={tmp}/other", "optimizer=adamw"], "cannot change optimizer._target_"),
+    (["resume={tmp}/other", "batch=7"], "cannot change batch (256 -> 7)"),
+    (["resume={tmp}/nope"], "resume={tmp}/nope: no such folder"),
     ([*TINY, "sections=99"], "sections=99: this model has 5 blocks; allowed: 1 to 5"),
     ([*TINY, "sections=[scale1,nope]"], "sections=[scale1,nope]: unknown boundary name(s) nope; allowed: initial_conv"),
     ([*TINY, "optimizer._target_=keras.optimizers.Nope"], "optimizer._target_=keras.optimizers.Nope: cannot build"),
@@ -115,7 +128,7 @@ def test_bad_input_exits_with_one_line_naming_the_key(args, message, tmp_path):
     proc = runner(*(a.format(tmp=tmp_path) for a in args), f"hydra.run.dir={out}")
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and message in last, proc.stderr[-3000:]
+    assert last.startswith("error: ") and message.format(tmp=tmp_path) in last, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == ["runner.log"]
 
@@ -138,3 +151,34 @@ def test_runs_started_together_never_share_a_folder(tmp_path):
 def test_claim_folder_adds_a_suffix_when_taken(tmp_path):
     assert [claim_folder(tmp_path / "a" / "12-00-00").name for _ in range(3)] == ["12-00-00", "12-00-00-1",
                                                                                    "12-00-00-2"]
+
+
+def test_run_function_trains_in_process(tmp_path):
+    """The template's in-process check: compose with Hydra's API, call the run function, read its record."""
+    import json
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from runner.app import run
+
+    register()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", return_hydra_config=True, overrides=[
+            "model=mlp", "model.hidden=[8]", "data=synthetic", "data.train_size=64", "data.test_size=32",
+            "train=smoke", "train.steps=2", "train.verify_exact=false", "batch=8"])
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg.hydra
+    value = run(cfg, tmp_path)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["step"] == 2 and value == metrics["accuracy"] and 0 <= value <= 1
+    assert OmegaConf.load(tmp_path / "config.yaml").model.hidden == [8]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.index")) == ["ckpt-2.index"]
+
+
+def test_train_options_are_the_default_plus_changes():
+    smoke = OmegaConf.load(Path(CONF) / "train" / "smoke.yaml")
+    assert list(smoke.defaults) == ["default", "_self_"] and "seed" not in smoke
+    cfg = composed("train=smoke")
+    assert cfg.train.steps == 4 and cfg.train.seed == 0 and cfg.train.profile_steps is None

@@ -61,6 +61,8 @@ def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, or
 def _download(path: str, origin: str, sha256: str | None) -> None:
     import keras
 
+    # get_file falls back to /tmp/.keras when the cache folder is not writable, and a missing one is not.
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     try:
         keras.utils.get_file(fname=os.path.basename(path), origin=origin, file_hash=sha256,
                              cache_dir=os.path.dirname(path), cache_subdir="")
