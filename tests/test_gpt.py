@@ -78,6 +78,21 @@ def test_changing_a_future_token_leaves_earlier_logits_alone():
     assert np.abs(a[:, 6:] - b[:, 6:]).max(axis=-1).min() > 1e-6  # the change reaches every later position
 
 
+def test_token_embedding_gradient_is_dense_and_sums_repeats():
+    """Repeated tokens' gradients arrive summed in one dense tensor (Keras's Adam squares sparse slices one by one)."""
+    net = build_gpt(vocab_size=20, seq_len=6, **TINY)
+    tokens = tf.constant([[3, 3, 3, 5, 3, 3]])
+    table = net.blocks[0].layer.token
+    with tf.GradientTape() as tape:
+        h = net.blocks[0].layer(tokens)
+        loss = tf.reduce_sum(h * tf.range(1.0, 7.0)[None, :, None])
+    grad = tape.gradient(loss, table.embeddings)
+    assert isinstance(grad, tf.Tensor) and not isinstance(grad, tf.IndexedSlices)
+    np.testing.assert_allclose(grad.numpy()[3], np.full(16, 1 + 2 + 3 + 5 + 6.0))
+    np.testing.assert_allclose(grad.numpy()[5], np.full(16, 4.0))
+    assert np.count_nonzero(grad.numpy().any(axis=1)) == 2
+
+
 def test_wrong_data_for_gpt_names_the_mix_up():
     with pytest.raises(ValueError, match="text data"):
         build_gpt(num_classes=10, input_shape=(28, 28, 1))
