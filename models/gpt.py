@@ -160,7 +160,7 @@ class Head(keras.layers.Layer):
             return self.logits(h)
         return tf.matmul(h, tf.cast(self.tied.token.embeddings, h.dtype), transpose_b=True)
 
-    def get_config(self):
+    def get_config(self):  # the tie is a reference to another layer: rebuild tied heads with build_gpt
         return {**super().get_config(), "vocab_size": self.vocab_size, "seed": self.seed}
 
 
