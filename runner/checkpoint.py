@@ -48,15 +48,12 @@ class Checkpoints:
         self._latest: str | None = None
 
     def _manager(self) -> tf.train.CheckpointManager:
-        keep = self.keep
-        try:
-            return tf.train.CheckpointManager(self.checkpoint, str(self.directory), max_to_keep=keep)
-        except Exception as err:  # a garbled `checkpoint` state file: the numbered files are what count
-            state = self.directory / "checkpoint"
-            log.warning(f"{state} is unreadable ({_first_line(err)}); ignoring it and reading the "
+        state = self.directory / "checkpoint"
+        if state.is_file() and not _parses(state):  # the numbered files are what count; TF would log 2 lines
+            log.warning(f"{state} (the list of checkpoints) is unreadable; ignoring it and reading the "
                         f"checkpoint files themselves")
-            state.unlink(missing_ok=True)
-            return tf.train.CheckpointManager(self.checkpoint, str(self.directory), max_to_keep=keep)
+            state.unlink()
+        return tf.train.CheckpointManager(self.checkpoint, str(self.directory), max_to_keep=self.keep)
 
     @property
     def latest(self) -> str | None:
@@ -104,7 +101,7 @@ class Checkpoints:
         for step, prefix in self.numbered():
             try:
                 self.checkpoint.restore(str(prefix)).assert_existing_objects_matched()
-            except (AssertionError, ValueError, tf.errors.OpError) as err:
+            except Exception as err:  # noqa: BLE001 - a truncated file raises IndexError, others OpError
                 failures.append(f"{prefix.name}: {_first_line(err)}")
                 log.warning(f"checkpoint {prefix} is unreadable or does not fit this run ({_first_line(err)}); "
                             f"trying the previous one")
@@ -124,6 +121,17 @@ class Checkpoints:
         if self.directory.is_dir():
             for path in self.directory.glob("*_temp*"):
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _parses(state: Path) -> bool:
+    from google.protobuf import text_format
+    from tensorflow.python.checkpoint.checkpoint_management import CheckpointState
+
+    try:
+        text_format.Merge(state.read_text(errors="strict"), CheckpointState())
+        return True
+    except Exception:  # noqa: BLE001 - undecodable bytes or not the proto's text format
+        return False
 
 
 def _first_line(err: BaseException) -> str:

@@ -85,7 +85,7 @@ def test_garbled_state_file_is_ignored(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="runner"):
         engine, batches, ckpt = _setup(tmp_path / "checkpoints")
         assert ckpt.restore()[0] == 2
-    assert "checkpoint is unreadable" in caplog.text
+    assert "checkpoint (the list of checkpoints) is unreadable" in caplog.text
 
 
 def test_no_readable_checkpoint_is_one_config_error(tmp_path):
