@@ -32,6 +32,7 @@ class RunRecord:
             truncate_after(out, start_step)
         self.out, self.cfg, self.setup, self.overrides, self.sweep = out, cfg, setup, overrides, sweep
         self.start_step = start_step
+        self.flops: list[dict] | None = None
         self.board = Board(out)
 
     def start(self, changes: dict) -> None:
@@ -42,7 +43,8 @@ class RunRecord:
         if start_step and config.is_file() and changes:
             config.rename(history_name(out))
         config.write_text(config_text)
-        table = partition_table(engine)
+        self.flops = section_flops(engine)
+        table = partition_table(engine, self.flops)
         (out / "partition.txt").write_text(table + "\n")
         session = self._session(start_step)
         record = out / "run.json"
@@ -93,7 +95,8 @@ class RunRecord:
 
         argv = sys.argv[1:] if Path(sys.argv[0]).name == "__main__.py" else None
         command = shlex.join(["python", "-m", "runner", *argv]) if argv is not None else shlex.join(sys.argv)
-        return {"command": command, "overrides": self.overrides, "cwd": os.getcwd(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        return {"command": command, "overrides": self.overrides, "cwd": os.getcwd(),
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "start_step": start_step, "device": device_name(), "host": platform.node(),
                 "versions": {"python": platform.python_version(), "tensorflow": tf.__version__,
                              "keras": keras.__version__, "hydra": hydra.__version__}}
@@ -113,10 +116,9 @@ class RunRecord:
         return " ".join(shown) or self.out.name
 
 
-def partition_table(engine) -> str:
+def partition_table(engine, flops: list[dict] | None) -> str:
     """The engine's partition table, with FLOPs per section when the engine can count them."""
     table = engine.describe()
-    flops = section_flops(engine)
     if flops and "flops" not in table.lower():  # the engine's own table may already list them
         table += "\nFLOPs per step: " + ", ".join(
             f"section {k} forward {f['forward']:.3g} backward {f['backward']:.3g}" for k, f in enumerate(flops))

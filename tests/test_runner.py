@@ -169,7 +169,8 @@ def test_resume_continues_in_the_same_folder_from_its_own_config(tiny_run, tmp_p
     assert [losses[s] for s in (3, 4)] == pytest.approx([reference[s] for s in (3, 4)], rel=1e-5)
     assert events(run)[0]["accuracy/eval"][-1][1] == pytest.approx(events(full)[0]["accuracy/eval"][-1][1], abs=1e-6)
     assert json.loads((run / "metrics.json").read_text())["step"] == 4
-    assert "sections: 2" in (run / "config.yaml").read_text() and "sections: null" in (run / "config.1.yaml").read_text()
+    assert "sections: 2" in (run / "config.yaml").read_text()
+    assert "sections: null" in (run / "config.1.yaml").read_text()
 
     # a new learning rate is applied after restoring (the checkpoint's value would win) and recorded
     proc = runner(f"resume={run}", "train.steps=5", "optimizer.learning_rate=0.0005")
@@ -188,7 +189,8 @@ def test_resume_continues_in_the_same_folder_from_its_own_config(tiny_run, tmp_p
     proc = runner(f"resume={run}", "train.steps=6", "optimizer=sgd")
     assert proc.returncode == 2
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: resume=") and "optimizer._target_ (keras.optimizers.Adam -> keras.optimizers.SGD)" in line
+    assert line.startswith("error: resume=")
+    assert "optimizer._target_ (keras.optimizers.Adam -> keras.optimizers.SGD)" in line
 
 
 def test_killed_run_with_dropout_resumes_bit_identically(tmp_path):
