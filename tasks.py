@@ -34,7 +34,7 @@ def gpu_present() -> bool:
 
 
 def extras(gpu: bool, platform: str = sys.platform) -> list[str]:
-    """The project extras to install: ``test``, plus ``gpu`` on Linux with an NVIDIA GPU (CUDA wheels are Linux-only)."""
+    """The extras to install: ``test``, plus ``gpu`` on Linux with an NVIDIA GPU (the CUDA wheels are Linux-only)."""
     return ["test", "gpu"] if gpu and platform.startswith("linux") else ["test"]
 
 

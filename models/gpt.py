@@ -182,9 +182,9 @@ def next_token_accuracy(target_key: str = "targets"):
 def build_gpt(
     vocab_size: int | None = None,
     seq_len: int | None = None,
-    d_model: int = 128,
-    num_layers: int = 4,
-    num_heads: int = 4,
+    d_model: int = 96,
+    num_layers: int = 3,
+    num_heads: int = 3,
     mlp_ratio: int = 4,
     dropout: float = 0.0,
     tie_embeddings: bool = False,

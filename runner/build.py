@@ -29,16 +29,19 @@ def build(cfg: DictConfig) -> Setup:
 
     data = instantiate(cfg.data, "data")
     model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
-    network = instantiate(model_cfg, "model", **dict(getattr(data, "model_args", {}) or {}))
+    data_args = dict(getattr(data, "model_args", {}) or {})
+    # A key the model config sets itself (keras_app's input_shape) wins; the builder sees the data's as data_args.
+    own = {k: data_args.pop(k) for k in list(data_args) if model_cfg.get(k) is not None}
+    network = instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
     sections = resolve_sections(cfg)
-    check_boundaries(sections, network.block_names)
+    check_boundaries(sections, network)
     optimizer = instantiate(cfg.optimizer, "optimizer")
 
     engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
     probe = next(iter(data.train_batches(cfg.batch, cfg.train.seed)))
     try:
-        engine = instantiate(cfg.engine, "engine", _convert_="all", network=network, optimizer=optimizer,
-                             sections=sections)
+        engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections,
+                             _convert_="all")  # a plain list of boundary names, not a ListConfig
         engine.build(probe)
     except ValueError as err:
         raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
@@ -51,14 +54,20 @@ def resolve_sections(cfg: DictConfig):
     return OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
 
 
-def check_boundaries(sections, block_names: list[str]) -> None:
+def check_boundaries(sections, network) -> None:
     """Sections that cannot exist for this network: too many, or boundaries it does not have."""
+    block_names = network.block_names
     groups = list(dict.fromkeys(name.split("/", 1)[0] for name in block_names))
     if isinstance(sections, int) and sections > len(block_names):
         raise ConfigError("sections", sections, f"this model has {len(block_names)} blocks; allowed: 1 to "
                           f"{len(block_names)}, or boundary names from {', '.join(groups)}")
     if isinstance(sections, list):
-        unknown = [s for s in sections if s not in block_names and s not in groups]
+        unknown = [s for s in sections if s not in network.boundaries]
+        if unknown and hasattr(network, "cut_points"):  # cut from a Keras model: its message says why, and what is near
+            try:
+                network.boundary_starts(sections)
+            except ValueError as err:
+                raise ConfigError("sections", sections, str(err)) from err
         if unknown:
             example = next((n for n in block_names if "/" in n), block_names[0])
             raise ConfigError("sections", sections, f"unknown boundary name(s) {', '.join(unknown)}; allowed: "

@@ -3,7 +3,7 @@
     check(cfg)               # no TensorFlow: the config, TF_CONFIG or SLURM, the batch where the replicas are known
     task(cfg)                # no TensorFlow: this process's place in a multi-worker cluster (None otherwise)
     strategy = make_strategy(cfg)   # None for distribute=none; call it before anything else runs TensorFlow
-    replicas(strategy), devices(strategy), is_chief(strategy)
+    replicas(strategy), devices(strategy), is_chief(strategy), summary(strategy)   # summary: for metrics.json
 
 `distribute=none` makes no strategy (the engine's single-device path). `mirrored` is a `MirroredStrategy` over the
 local GPUs, or over `cpu_devices` logical CPU devices (they must be configured before TensorFlow initializes its
@@ -57,8 +57,8 @@ def check(cfg: DictConfig, environ: Optional[Mapping[str, str]] = None) -> Optio
         if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 1:
             raise ConfigError("distribute.cpu_devices", cpu, "must be a positive integer or null")
         if node.kind != "mirrored":
-            raise ConfigError("distribute.cpu_devices", cpu,
-                              f"only distribute=mirrored uses logical CPU devices (this run has distribute={node.kind})")
+            raise ConfigError("distribute.cpu_devices", cpu, "only distribute=mirrored uses logical CPU devices "
+                              f"(this run has distribute={node.kind})")
         check_batch(cfg.batch, cpu, f"{cpu} logical CPU devices")
     if node.kind != "multi_worker":
         return None
@@ -132,12 +132,11 @@ def _tf_config_task(text: str) -> Task:
 
 
 def _slurm_task(env: Mapping[str, str]) -> Task:
-    try:
-        rank, tasks = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
-    except ValueError:
-        raise ConfigError("SLURM_PROCID", env["SLURM_PROCID"],
-                          f"SLURM_PROCID and SLURM_STEP_NUM_TASKS (={env['SLURM_STEP_NUM_TASKS']}) must be integers") from None
-    return Task("slurm", "worker", rank, tasks)
+    rank, tasks = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
+    if not (rank.isdigit() and tasks.isdigit() and int(rank) < int(tasks)):
+        raise ConfigError("SLURM_PROCID", f"{rank} (SLURM_STEP_NUM_TASKS={tasks})",
+                          "must be a task rank below the number of tasks, as srun sets them")
+    return Task("slurm", "worker", int(rank), int(tasks))
 
 
 def check_batch(batch, replicas: int, where: str) -> None:
@@ -196,6 +195,20 @@ def devices(strategy) -> list[str]:
         short = f"{spec.device_type}:{spec.device_index}"
         names.append(short if spec.job in (None, "localhost") else f"{spec.job}:{spec.task}/{short}")
     return names
+
+
+def workers(strategy) -> int:
+    """Processes training together: the cluster's chief and workers for multi_worker, else 1."""
+    resolver = getattr(strategy, "cluster_resolver", None) if strategy is not None else None
+    if resolver is None:
+        return 1
+    spec = resolver.cluster_spec().as_dict()
+    return max(1, sum(len(spec.get(job, [])) for job in WORKER_TYPES))
+
+
+def summary(strategy) -> dict:
+    """What metrics.json records about the topology: replicas, workers and this worker's devices."""
+    return {"replicas": replicas(strategy), "workers": workers(strategy), "devices": devices(strategy)}
 
 
 def is_chief(strategy) -> bool:

@@ -87,6 +87,8 @@ def test_none_is_the_default_and_every_option_composes():
      "distribute.communication=gloo: allowed: auto, ring, nccl"),
     (["distribute=multi_worker", "distribute.timeout_seconds=0"], SRUN,
      "distribute.timeout_seconds=0.0: must be a positive number or null"),
+    (["distribute=multi_worker"], {**SRUN, "SLURM_PROCID": "2"},
+     "SLURM_PROCID=2 (SLURM_STEP_NUM_TASKS=2): must be a task rank below the number of tasks, as srun sets them"),
     (["distribute.cpu_devices=2"], {}, "distribute.cpu_devices=2: only distribute=mirrored uses logical CPU devices "
                                        "(this run has distribute=none)"),
     (["distribute=mirrored", "distribute.cpu_devices=0"], {}, "distribute.cpu_devices=0: must be a positive integer"),
@@ -94,6 +96,7 @@ def test_none_is_the_default_and_every_option_composes():
 ], ids=["batch-not-divisible", "multi-worker-no-cluster", "tf-config-not-json", "tf-config-no-task",
         "tf-config-index-out-of-range", "tf-config-no-port", "tf-config-ps-job", "tf-config-unknown-type",
         "slurm-not-under-srun", "tf-config-not-set", "unknown-cluster", "unknown-communication", "zero-timeout",
+        "slurm-rank-out-of-range",
         "cpu-devices-without-mirrored", "zero-cpu-devices", "unknown-kind"])
 def test_bad_distribute_input_is_one_line_naming_the_value(overrides, environ, message):
     assert message in refused(composed(*overrides), environ)
@@ -138,7 +141,8 @@ def outcome(proc: subprocess.Popen) -> list[dict]:
 
 def test_mirrored_over_two_logical_cpu_devices_has_two_replicas():
     seen, again = outcome(worker({"kind": "mirrored", "cpu_devices": 2}, 8, {"kind": "mirrored", "cpu_devices": 4}))
-    assert seen == {"replicas": 2, "devices": ["CPU:0", "CPU:1"], "chief": True, "task_chief": None, "sum": 3.0}
+    assert seen == {"replicas": 2, "workers": 1, "devices": ["CPU:0", "CPU:1"], "chief": True, "task_chief": None,
+                    "sum": 3.0}
     assert again["error"] == ("distribute.cpu_devices=4: TensorFlow already initialized 2 CPU device(s) in this "
                               "process; make the strategy before anything else runs TensorFlow")
 
@@ -153,14 +157,17 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+@pytest.mark.slow  # ~30 s on the shared 2-core machine; the runner's multi-worker test covers TF_CONFIG by default
 def test_two_workers_from_tf_config_all_reduce_over_both():
     ports = free_ports(2)
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
     procs = [worker({"kind": "multi_worker"}, env={**ENV, "TF_CONFIG": json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": i}})}) for i in range(2)]
     (first,), (second,) = [outcome(p) for p in procs]
-    assert first == {"replicas": 2, "devices": ["worker:0/CPU:0"], "chief": True, "task_chief": True, "sum": 3.0}
-    assert second == {"replicas": 2, "devices": ["worker:1/CPU:0"], "chief": False, "task_chief": False, "sum": 3.0}
+    assert first == {"replicas": 2, "workers": 2, "devices": ["worker:0/CPU:0"], "chief": True, "task_chief": True,
+                     "sum": 3.0}
+    assert second == {"replicas": 2, "workers": 2, "devices": ["worker:1/CPU:0"], "chief": False,
+                      "task_chief": False, "sum": 3.0}
 
 
 @pytest.mark.slow
@@ -170,5 +177,20 @@ def test_two_slurm_tasks_on_a_cpu_node_all_reduce_over_both():
     procs = [worker({"kind": "multi_worker", "port_base": port}, env={**ENV, **slurm, "SLURM_PROCID": str(i)})
              for i in range(2)]
     (first,), (second,) = [outcome(p) for p in procs]
-    assert (first["replicas"], first["chief"], first["sum"]) == (2, True, 3.0)
+    assert (first["replicas"], first["workers"], first["chief"], first["sum"]) == (2, 2, True, 3.0)
     assert (second["replicas"], second["chief"], second["devices"]) == (2, False, ["worker:1/CPU:0"])
+
+
+@pytest.mark.slow
+def test_a_dead_worker_makes_the_other_fail_instead_of_hanging():
+    ports = free_ports(2)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    procs = [worker({"kind": "multi_worker"}, env={**ENV, "TF_CONFIG": json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": i}}), **extra})
+        for i, extra in enumerate([{"FAKE_WORKER_WAITS": "3"}, {"FAKE_WORKER_DIES": "1"}])]
+    try:
+        out, err = procs[0].communicate(timeout=180)  # a hang fails here
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode != 0 and "UnavailableError" in err and "/job:worker/replica:0/task:1" in err

@@ -61,8 +61,8 @@ def job_folders(sweep: Path) -> list[Path]:
 
 def test_two_job_sweep_through_submitit_local_runs_each_job_in_its_own_process(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = runner("-m", "model=mlp", "data=synthetic", *SMALL, "batch=8", "hydra/launcher=local", "optimizer.learning_rate=0.001,0.01",
-                  f"hydra.sweep.dir={sweep}")
+    proc = runner("-m", "model=mlp", "data=synthetic", *SMALL, "batch=8", "hydra/launcher=local",
+                  "optimizer.learning_rate=0.001,0.01", f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = job_folders(sweep)
     assert [p.name for p in jobs] == ["0", "1"]
@@ -100,3 +100,77 @@ def test_optuna_sweeps_four_trials_and_writes_the_best(tmp_path):
     assert best.best_value == value and math.isclose(best.best_params["optimizer.learning_rate"], lr)
     assert best.best_params.batch == batch
     assert "[sweep] 4 jobs, 4 completed, 0 failed" in proc.stdout
+
+
+FAKE_SBATCH = '''
+import os, re, subprocess, sys
+from pathlib import Path
+here = Path(__file__).parent
+script = here / "job.sbatch"
+script.write_text(Path(sys.argv[-1]).read_text())
+array = re.search(r"^#SBATCH --array=0-(\\d+)%\\d+$", script.read_text(), re.M)
+for i in range(int(array.group(1)) + 1 if array else 1):
+    name = f"4242_{i}" if array else "4242"
+    env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_NTASKS="1", SLURM_PROCID="0", SLURM_LOCALID="0",
+               SLURM_NODEID="0", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="localhost", FAKE_SLURM_JOB=name)
+    if array:
+        env.update(SLURM_ARRAY_JOB_ID="4242", SLURM_ARRAY_TASK_ID=str(i))
+    (here / f"{name}.started").touch()
+    subprocess.Popen(["/bin/sh", "-c", 'bash "$0"; echo $? > "$1"', str(script), str(here / f"{name}.exit")],
+                     env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print("Submitted batch job 4242")
+'''
+FAKE_SRUN = '''
+import os, sys
+args = sys.argv[1:]
+job, files = os.environ["FAKE_SLURM_JOB"], {}
+while args[0].startswith("-"):
+    flag = args.pop(0)
+    if flag in ("--output", "--error"):
+        array_id, _, task = job.partition("_")
+        files[flag] = args.pop(0).replace("%A", array_id).replace("%a", task).replace("%j", job).replace("%t", "0")
+os.environ.update(SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="1")
+for flag, fd in (("--output", 1), ("--error", 2)):
+    if flag in files:
+        os.dup2(os.open(files[flag], os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+os.execvp(args[0], args)
+'''
+FAKE_SACCT = '''
+from pathlib import Path
+here = Path(__file__).parent
+print("JobID|State|NodeList")
+for started in sorted(here.glob("*.started")):
+    done = here / (started.stem + ".exit")
+    state = "RUNNING" if not done.exists() else "COMPLETED" if done.read_text().strip() == "0" else "FAILED"
+    print(f"{started.stem}|{state}|localhost")
+'''
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch) -> Path:
+    """sbatch, srun and sacct stand-ins: sbatch starts each array task at once on this machine, as srun would."""
+    folder = tmp_path / "slurm"
+    folder.mkdir()
+    for name, body in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN), ("sacct", FAKE_SACCT)):
+        (folder / name).write_text(f"#!{sys.executable}\n{body}")
+        (folder / name).chmod(0o755)
+    monkeypatch.setitem(ENV, "PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    return folder
+
+
+@pytest.mark.slow
+def test_two_job_sweep_through_the_slurm_launcher_submits_one_array(tmp_path, fake_slurm):
+    sweep = tmp_path / "sweep"
+    proc = runner("-m", "model=mlp", "data=synthetic", *SMALL, "batch=8", "hydra/launcher=slurm",
+                  "hydra.launcher.partition=gpu", "optimizer.learning_rate=0.001,0.01", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    script = (fake_slurm / "job.sbatch").read_text()
+    for line in ("--array=0-1%2", "--time=120", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=1",
+                 "--cpus-per-task=8", "--mem=64GB", "--partition=gpu", "--signal=USR2@120"):
+        assert f"#SBATCH {line}\n" in script, line
+    assert "\nsrun --unbuffered" in script and "submitit.core._submit" in script
+    jobs = job_folders(sweep)
+    assert [p.name for p in jobs] == ["0", "1"]
+    for job in jobs:
+        assert json.loads((job / "status.json").read_text())["status"] == "completed"
+    assert "[sweep] 2 jobs, 2 completed, 0 failed" in proc.stdout

@@ -77,3 +77,11 @@ def test_gpu_extra_pins_the_same_tensorflow_as_the_dependencies():
     project = tomllib.loads((tasks.ROOT / "pyproject.toml").read_text())["project"]
     (tf,) = [d for d in project["dependencies"] if d.startswith("tensorflow")]
     assert project["optional-dependencies"]["gpu"] == [tf.replace("tensorflow", "tensorflow[and-cuda]", 1)]
+
+
+def test_tasks_needs_only_the_standard_library():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-I", "-S", str(tasks.ROOT / "tasks.py")], capture_output=True, text=True,
+                          timeout=60)  # -S: no site-packages, as on a fresh machine; no command: prints its usage
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: python3 tasks.py {run|test|test-all|setup}")

@@ -1,0 +1,155 @@
+"""The runner's Keras models: keras.applications by name (model=keras_app) and saved files (model=keras_file)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from models.keras_app import application_names, build_keras_app, build_keras_file
+from sections import Engine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Scale(keras.layers.Layer):
+    """A layer Keras does not know: a saved file using it needs custom_objects."""
+
+    def build(self, input_shape):
+        self.gain = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="gain")
+
+    def call(self, x):
+        return x * self.gain
+
+
+def small_model(classes=10, softmax=False):
+    L = keras.layers
+    x = keras.Input((8, 8, 3), name="image")
+    h = L.Conv2D(4, 3, padding="same", name="conv")(x)
+    h = Scale(name="scale")(L.BatchNormalization(name="bn")(h))
+    h = L.Concatenate(name="concat")([L.ReLU(name="relu")(h), x])
+    h = L.GlobalAveragePooling2D(name="pool")(h)
+    return keras.Model(x, L.Dense(classes, activation="softmax" if softmax else None, name="logits")(h))
+
+
+def batch(shape=(8, 8, 3), n=4):
+    rng = np.random.default_rng(0)
+    return {"image": tf.constant(rng.uniform(size=(n, *shape)), tf.float32),
+            "label": tf.constant(rng.integers(0, 10, n), tf.int32)}
+
+
+def test_application_names_are_keras_constructors():
+    names = application_names()
+    assert {"ResNet50V2", "MobileNetV2", "DenseNet121", "EfficientNetB0"} <= set(names)
+    assert all(callable(getattr(keras.applications, n)) for n in names)
+
+
+def test_unknown_application_lists_the_allowed_names():
+    with pytest.raises(ValueError, match=r"name='ResNet51' is not a keras.applications model; allowed: .*ResNet50V2"):
+        build_keras_app("ResNet51", input_shape=[32, 32, 3])
+
+
+def test_application_resizes_the_datas_images_to_its_input_shape():
+    net = build_keras_app("MobileNetV2", num_classes=5, input_shape=[32, 32, 3],
+                          data_args={"input_shape": (28, 28, 1)})
+    assert net.block_names[0] == "resize" and "block_2_add" in net.boundaries
+    out = net.forward(batch((28, 28, 1), n=2), training=False)
+    assert out.shape == (2, 5)
+
+
+def test_application_cannot_turn_three_channels_into_one():
+    with pytest.raises(ValueError, match=r"only one-channel images are converted"):
+        build_keras_app("MobileNetV2", input_shape=[32, 32, 1], data_args={"input_shape": (32, 32, 3)})
+
+
+def test_application_too_small_for_keras_says_what_to_set():
+    with pytest.raises(ValueError, match=r"cannot be built for input_shape=\[16, 16, 3\].*input_shape sets the size"):
+        build_keras_app("ResNet50V2", input_shape=[16, 16, 3])
+
+
+def test_saved_file_trains_from_its_saved_weights_and_saves_again(tmp_path):
+    model = small_model()
+    model.save(tmp_path / "m.keras")
+    net = build_keras_file(str(tmp_path / "m.keras"), custom_objects=["test_keras_models.Scale"], num_classes=10,
+                           input_shape=(8, 8, 3))
+    assert list(net.boundaries) == ["conv", "bn", "scale", "relu", "concat", "pool"]
+    saved = {v.path: v.numpy() for v in model.weights}
+    layer_weights = {v.path: v.numpy() for v in net.variables if v.path in saved}
+    assert layer_weights.keys() == saved.keys()
+    for path, value in layer_weights.items():
+        np.testing.assert_array_equal(value, saved[path])
+    engine = Engine(net, keras.optimizers.SGD(0.1), sections=["bn", "concat"])
+    engine.train_step(batch())
+    assert engine.sections[1].block_names == ["scale", "relu", "concat"]
+
+
+def test_saved_file_logits_or_probabilities(tmp_path):
+    small_model(softmax=True).save(tmp_path / "p.keras")
+    small_model(softmax=False).save(tmp_path / "l.keras")
+    objects = ["test_keras_models.Scale"]
+    b = batch()
+    probs = build_keras_file(str(tmp_path / "p.keras"), objects)
+    logits = build_keras_file(str(tmp_path / "l.keras"), objects)
+    # Both losses are the cross-entropy of the model's class probabilities.
+    for net in (probs, logits):
+        out = net.forward(b, training=False)
+        p = out if net is probs else tf.nn.softmax(out)
+        expected = -np.mean(np.log(np.take_along_axis(p.numpy(), b["label"].numpy()[:, None], 1)))
+        np.testing.assert_allclose(float(net.loss(out, b)), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"path": "nope.keras"}, r"path='nope.keras': no such file"),
+    ({"custom_objects": ["mypkg.Nope"]}, r"custom_objects: cannot import 'mypkg.Nope'"),
+    ({"custom_objects": []}, r"Keras cannot load it: it uses 'Scale', which Keras does not know; give the import paths"),
+    ({"num_classes": 3}, r"outputs 10 classes but the data has 3"),
+    ({"input_shape": (28, 28, 1)}, r"input shape is \[8, 8, 3\] but the data's examples are \[28, 28, 1\]"),
+])
+def test_saved_file_bad_input(tmp_path, kwargs, message):
+    small_model().save(tmp_path / "m.keras")
+    args = {"path": str(tmp_path / "m.keras"), "custom_objects": ["test_keras_models.Scale"], **kwargs}
+    with pytest.raises(ValueError, match=message):
+        build_keras_file(**args)
+
+
+def run(*args, timeout=300):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HYDRA_FULL_ERROR": "",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+SMOKE = ["data=synthetic", "data.image_shape=[8,8,3]", "data.train_size=64", "data.test_size=16", "batch=8",
+         "train=smoke"]
+
+
+def test_runner_trains_a_saved_file_at_its_layer_names(tmp_path):
+    small_model().save(tmp_path / "m.keras")
+    proc = run("model=keras_file", f"model.path={tmp_path / 'm.keras'}", "model.custom_objects=[test_keras_models.Scale]",
+               "sections=[bn,concat]", *SMOKE, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exact          yes" in proc.stdout + proc.stderr
+
+
+def test_runner_names_the_nearest_cuts_for_an_impossible_one(tmp_path):
+    small_model().save(tmp_path / "m.keras")
+    proc = run("model=keras_file", f"model.path={tmp_path / 'm.keras'}", "model.custom_objects=[test_keras_models.Scale]",
+               "sections=[relu,nope]", *SMOKE, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "'nope'" in lines[0] and "Allowed cut layers: ['conv', 'bn'" in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_runner_trains_a_keras_application_resized_from_the_data(tmp_path):
+    proc = run("model=keras_app", "model.name=MobileNetV2", "model.input_shape=[32,32,3]", "data=synthetic",
+               "data.train_size=64", "data.test_size=16", "batch=8", "train=smoke", "sections=[block_3_expand]",
+               f"hydra.run.dir={tmp_path / 'run'}", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exact          yes" in proc.stdout + proc.stderr
