@@ -63,10 +63,9 @@ def _download(path: str, origin: str, sha256: str | None) -> str:
     is not writable)."""
     import keras
 
-    # get_file falls back to /tmp/.keras when the cache folder is not writable, and a missing one is not.
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # get_file falls back to /tmp/.keras when the cache folder is not writable, and a missing one is not.
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         path = keras.utils.get_file(fname=os.path.basename(path), origin=origin, file_hash=sha256,
                                     cache_dir=os.path.dirname(path), cache_subdir="")
     except Exception as err:  # noqa: BLE001 - offline, refused, wrong hash: all end in the same advice
