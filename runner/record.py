@@ -181,10 +181,13 @@ def summary(metrics: dict) -> str:
 
 def tensorboard_hint(out: Path, sweep: bool) -> str:
     """A command that works as printed: the tensorboard beside this Python (the venv's), relative if possible."""
-    logdir = out.parent if sweep else _outputs_root(out)
+    return tensorboard_command(out.parent if sweep else _outputs_root(out))
+
+
+def tensorboard_command(logdir: Path) -> str:
     script = Path(sys.executable).with_name("tensorboard")
     command = str(_relative(script)) if script.is_file() else f"{_relative(Path(sys.executable))} -m tensorboard.main"
-    return f"{command} --logdir {shlex.quote(str(_relative(logdir)))}"
+    return f"{command} --logdir {shlex.quote(str(_relative(Path(logdir))))}"
 
 
 def _relative(path: Path) -> Path:

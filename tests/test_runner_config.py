@@ -185,3 +185,12 @@ def test_train_options_are_the_default_plus_changes():
     assert list(smoke.defaults) == ["default", "_self_"] and "seed" not in smoke
     cfg = composed("train=smoke")
     assert cfg.train.steps == 4 and cfg.train.seed == 0 and cfg.train.profile_steps is None
+
+
+def test_an_uncreatable_run_folder_is_one_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = runner("batch=8", f"hydra.run.dir={blocker / 'run'}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: hydra.run.dir={blocker / 'run'}: cannot create the run folder"), proc.stderr
