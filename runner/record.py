@@ -50,7 +50,7 @@ class RunRecord:
         record = out / "run.json"
         sessions = json.loads(record.read_text()).get("sessions", []) if start_step and record.is_file() else []
         record.write_text(json.dumps({"sessions": sessions + [session]}, indent=1))
-        log.debug("config:\n" + config_text)  # the log file gets the whole config; the console the header
+        to_log_file("config:\n" + config_text)  # the log file gets the whole config; the console the header
         log.info(self.header(session["device"], table, start_step))
         for key, (before, after) in changes.items():
             if not key.startswith("optimizer."):
@@ -82,7 +82,7 @@ class RunRecord:
         self.board.final(step, metrics)
         self.board.close()
         (self.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-        log.debug("metrics: " + json.dumps(metrics))
+        to_log_file("metrics: " + json.dumps(metrics))
         log.info(summary(metrics) + f"\nrun folder: {self.out}\nTensorBoard: {tensorboard_hint(self.out, self.sweep)}")
 
     def close(self) -> None:
@@ -114,6 +114,14 @@ class RunRecord:
         """The first session's overrides (the run's identity in a sweep), else the folder's name."""
         shown = [o for o in sessions[0].get("overrides", []) if not o.startswith(("hydra", "resume="))]
         return " ".join(shown) or self.out.name
+
+
+def to_log_file(message: str) -> None:
+    """Write `message` to the run's log file only (Hydra's file handler), not to the console."""
+    record = logging.LogRecord("runner", logging.INFO, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def partition_table(engine, flops: list[dict] | None) -> str:

@@ -82,7 +82,8 @@ def test_run_folder_holds_config_table_metrics_and_checkpoints(tiny_run):
 def test_console_is_short_and_the_tensorboard_hint_runs(tiny_run):
     out, proc = tiny_run
     assert "cuInit" not in proc.stderr and "absl::InitializeLog" not in proc.stderr
-    assert "_target_" not in proc.stdout  # the composed config went to config.yaml, not the console
+    assert "_target_" not in proc.stdout  # the composed config went to config.yaml and the log file, not the console
+    assert "_target_: models.build_resnet" in (out / "runner.log").read_text()
     assert "done:" in proc.stdout and "eval accuracy" in proc.stdout and '{"strategy"' not in proc.stdout
     hint = proc.stdout.strip().splitlines()[-1]
     assert hint.startswith("TensorBoard: ") and "--logdir" in hint
