@@ -61,8 +61,12 @@ def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, or
 def _download(path: str, origin: str, sha256: str | None) -> str:
     """Fetch ``origin`` to ``path``; returns where it landed (Keras falls back to /tmp/.keras when the folder
     is not writable)."""
+    import socket
+
     import keras
 
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(60)  # urllib waits forever on a network that drops packets
     try:
         # get_file falls back to /tmp/.keras when the cache folder is not writable, and a missing one is not.
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -71,6 +75,8 @@ def _download(path: str, origin: str, sha256: str | None) -> str:
     except Exception as err:  # noqa: BLE001 - offline, refused, wrong hash: all end in the same advice
         why = " ".join(str(err).split()) or type(err).__name__
         raise FileNotFoundError(_missing(path, f"downloading {origin} failed: {why}")) from None
+    finally:
+        socket.setdefaulttimeout(previous)
     if not os.path.isfile(path):
         raise FileNotFoundError(_missing(path, f"downloading {origin} gave no file"))
     return path
