@@ -25,6 +25,18 @@ def _normal(seed: int, std: float = 0.02):
     return keras.initializers.RandomNormal(stddev=std, seed=seed)
 
 
+@tf.custom_gradient
+def dense_gradient(table):
+    """Identity whose gradient is a dense tensor, not ``tf.IndexedSlices``.
+
+    A lookup's gradient holds one slice per occurrence of a token; Keras 3's optimizers square such
+    slices one by one (Adam's second moment sums ``g_i**2`` over the repeats of a row instead of taking
+    ``(sum g_i)**2``), so frequent characters would get a smaller step than Adam's. Dense, the update is
+    Adam's, and whole-graph, sectioned and ``tf.recompute_grad`` steps agree. The table is small.
+    """
+    return tf.identity(table), lambda upstream: tf.convert_to_tensor(upstream)
+
+
 @serializable
 class Embed(keras.layers.Layer):
     """Token ids ``[batch, time]`` to ``token_embedding + position_embedding`` ``[batch, time, d_model]``, then dropout."""
@@ -42,8 +54,9 @@ class Embed(keras.layers.Layer):
         self.position.build((self.seq_len,))
 
     def call(self, tokens, training=False):
-        positions = self.position(tf.range(tf.shape(tokens)[1]))
-        return self.drop(self.token(tokens) + positions, training=training)
+        table = tf.cast(dense_gradient(tf.convert_to_tensor(self.token.embeddings)), self.compute_dtype)
+        positions = self.position(tf.range(tf.shape(tokens)[1]))  # each position once: sparse is exact
+        return self.drop(tf.gather(table, tokens) + positions, training=training)
 
     def get_config(self):
         return {**super().get_config(), "vocab_size": self.vocab_size, "seq_len": self.seq_len,

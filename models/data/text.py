@@ -89,8 +89,9 @@ def read_corpus(path: str | None, max_chars: int | None) -> tuple[str, str]:
     if max_chars is not None:
         text = text[:max_chars]
     if not text:
-        raise ValueError(f"data.path={str(path)!r}: no text in it (empty, or only binary files); give a UTF-8 "
-                         f"text file or a folder of them.")
+        where = f"data.path={str(path)!r}" if path is not None else f"data.path=null ({origin})"
+        raise ValueError(f"{where}: no text in it (empty, or only binary files); give a UTF-8 text file or a "
+                         f"folder of them.")
     return text, origin
 
 
@@ -101,8 +102,8 @@ class TextSource:
     character (one that appears only in validation). Training windows start at positions drawn
     from ``(seed, batch index)``, uniformly over the training split, so the same seed gives the same
     batches and the iterator's checkpoint holds a counter. Evaluation reads consecutive windows of
-    the validation split (stride ``seq_len``: every validation character but the first few is a
-    target once); with ``eval_chars`` set and smaller, ``eval_chars // seq_len`` windows spread evenly
+    the validation split (stride ``seq_len``: each validation character after the first is a target
+    once, up to the last whole window); with ``eval_chars`` set and smaller, ``eval_chars // seq_len`` windows spread evenly
     over the split instead.
 
     Args:
@@ -114,7 +115,8 @@ class TextSource:
         origin: where the text came from, for messages.
     """
 
-    metric = "bits_per_char"  # lower is better
+    metric = "bits_per_char"
+    metric_direction = "minimize"  # lower is better; a sweeper must be told (hydra.sweeper.direction=minimize)
 
     def __init__(self, name: str, text: str, seq_len: int = 128, valid_fraction: float = 0.1,
                  eval_chars: int | None = None, origin: str = ""):
