@@ -55,7 +55,9 @@ class UniqueOutputDir(Callback):
             config.hydra.sweep.dir = folder
             quoted = folder.replace("\\", "\\\\").replace("'", "\\'")
             config.hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
-        print(f"[sweep] {folder}  (tensorboard --logdir {folder})", flush=True)
+        from runner.record import tensorboard_command
+
+        print(f"[sweep] {folder}  ({tensorboard_command(Path(folder))})", flush=True)
 
 
 class SweepReport(Callback):

@@ -40,23 +40,20 @@ class Checkpoints:
         # `network.variables` lists every layer's state, seed-generator states included, which the layers'
         # own checkpoint dependencies leave out (a SeedGenerator is not a trackable object).
         self._variables = list(engine.network.variables)
-        self.checkpoint = tf.train.Checkpoint(step=self.step, optimizer=engine.optimizer,
-                                              network=list(engine.network.layers), variables=self._variables,
-                                              data=iterator)
+        self._objects = dict(step=self.step, optimizer=engine.optimizer, network=list(engine.network.layers),
+                             data=iterator)
+        self.checkpoint = tf.train.Checkpoint(**self._objects, variables=self._variables)
         self.keep = keep
         self.manager = self._manager()
         self._latest: str | None = None
 
     def _manager(self) -> tf.train.CheckpointManager:
-        keep = self.keep
-        try:
-            return tf.train.CheckpointManager(self.checkpoint, str(self.directory), max_to_keep=keep)
-        except Exception as err:  # a garbled `checkpoint` state file: the numbered files are what count
-            state = self.directory / "checkpoint"
-            log.warning(f"{state} is unreadable ({_first_line(err)}); ignoring it and reading the "
+        state = self.directory / "checkpoint"
+        if state.is_file() and not _parses(state):  # the numbered files are what count; TF would log 2 lines
+            log.warning(f"{state} (the list of checkpoints) is unreadable; ignoring it and reading the "
                         f"checkpoint files themselves")
-            state.unlink(missing_ok=True)
-            return tf.train.CheckpointManager(self.checkpoint, str(self.directory), max_to_keep=keep)
+            state.unlink()
+        return tf.train.CheckpointManager(self.checkpoint, str(self.directory), max_to_keep=self.keep)
 
     @property
     def latest(self) -> str | None:
@@ -103,8 +100,8 @@ class Checkpoints:
         failures = []
         for step, prefix in self.numbered():
             try:
-                self.checkpoint.restore(str(prefix)).assert_existing_objects_matched()
-            except (AssertionError, ValueError, tf.errors.OpError) as err:
+                self._restore(prefix)
+            except Exception as err:  # noqa: BLE001 - a truncated file raises IndexError, others OpError
                 failures.append(f"{prefix.name}: {_first_line(err)}")
                 log.warning(f"checkpoint {prefix} is unreadable or does not fit this run ({_first_line(err)}); "
                             f"trying the previous one")
@@ -119,11 +116,41 @@ class Checkpoints:
         raise ConfigError("resume", folder, "no checkpoint there can be read into this model/data: "
                           + "; ".join(failures))
 
+    def _restore(self, prefix: Path) -> None:
+        try:
+            self.checkpoint.restore(str(prefix)).assert_existing_objects_matched()
+            return
+        except Exception:
+            if not _without_variables(prefix):
+                raise
+        # written by an earlier runner, before every variable (seed-generator states) was saved
+        tf.train.Checkpoint(**self._objects).restore(str(prefix)).assert_existing_objects_matched()
+        log.warning(f"{prefix.name} predates checkpointed seed-generator states; resuming without them (dropout "
+                    f"or sampling will not repeat the uninterrupted run's draws)")
+
     def _remove_leftovers(self) -> None:
         """`ckpt-N_temp/` folders that a killed or failed save left behind."""
         if self.directory.is_dir():
             for path in self.directory.glob("*_temp*"):
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _without_variables(prefix: Path) -> bool:
+    try:
+        return not any(name.startswith("variables/") for name, _ in tf.train.list_variables(str(prefix)))
+    except Exception:  # noqa: BLE001 - unreadable: not a legacy checkpoint, a broken one
+        return False
+
+
+def _parses(state: Path) -> bool:
+    from google.protobuf import text_format
+    from tensorflow.python.checkpoint.checkpoint_management import CheckpointState
+
+    try:
+        text_format.Merge(state.read_text(errors="strict"), CheckpointState())
+        return True
+    except Exception:  # noqa: BLE001 - undecodable bytes or not the proto's text format
+        return False
 
 
 def _first_line(err: BaseException) -> str:

@@ -32,6 +32,11 @@ def check_overrides(args: list[str], conf_dir: str) -> None:
                 why = " ".join(str(err).strip().splitlines()[0].split())
                 raise ConfigError(key, value, f"not valid override syntax: {why}") from None
         return
+    if any(a in ("-m", "--multirun") for a in args):
+        resume = next((o for o in overrides if o.key_or_group == "resume" and o.value() is not None), None)
+        if resume is not None:
+            raise ConfigError("resume", _shown(resume), "continues one run in its own folder; it cannot be part "
+                              "of a sweep (-m)")
     groups = sorted(p.name for p in Path(conf_dir).iterdir() if p.is_dir() and p.name != "hydra")
     searchpath = any(o.key_or_group == "hydra.searchpath" for o in overrides)
     for o in overrides:

@@ -32,6 +32,7 @@ class RunRecord:
             truncate_after(out, start_step)
         self.out, self.cfg, self.setup, self.overrides, self.sweep = out, cfg, setup, overrides, sweep
         self.start_step = start_step
+        self.flops: list[dict] | None = None
         self.board = Board(out)
 
     def start(self, changes: dict) -> None:
@@ -42,13 +43,14 @@ class RunRecord:
         if start_step and config.is_file() and changes:
             config.rename(history_name(out))
         config.write_text(config_text)
-        table = partition_table(engine)
+        self.flops = section_flops(engine)
+        table = partition_table(engine, self.flops)
         (out / "partition.txt").write_text(table + "\n")
         session = self._session(start_step)
         record = out / "run.json"
         sessions = json.loads(record.read_text()).get("sessions", []) if start_step and record.is_file() else []
         record.write_text(json.dumps({"sessions": sessions + [session]}, indent=1))
-        log.debug("config:\n" + config_text)  # the log file gets the whole config; the console the header
+        to_log_file("config:\n" + config_text)  # the log file gets the whole config; the console the header
         log.info(self.header(session["device"], table, start_step))
         for key, (before, after) in changes.items():
             if not key.startswith("optimizer."):
@@ -80,7 +82,7 @@ class RunRecord:
         self.board.final(step, metrics)
         self.board.close()
         (self.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-        log.debug("metrics: " + json.dumps(metrics))
+        to_log_file("metrics: " + json.dumps(metrics))
         log.info(summary(metrics) + f"\nrun folder: {self.out}\nTensorBoard: {tensorboard_hint(self.out, self.sweep)}")
 
     def close(self) -> None:
@@ -93,7 +95,8 @@ class RunRecord:
 
         argv = sys.argv[1:] if Path(sys.argv[0]).name == "__main__.py" else None
         command = shlex.join(["python", "-m", "runner", *argv]) if argv is not None else shlex.join(sys.argv)
-        return {"command": command, "overrides": self.overrides, "cwd": os.getcwd(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        return {"command": command, "overrides": self.overrides, "cwd": os.getcwd(),
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "start_step": start_step, "device": device_name(), "host": platform.node(),
                 "versions": {"python": platform.python_version(), "tensorflow": tf.__version__,
                              "keras": keras.__version__, "hydra": hydra.__version__}}
@@ -113,10 +116,17 @@ class RunRecord:
         return " ".join(shown) or self.out.name
 
 
-def partition_table(engine) -> str:
+def to_log_file(message: str) -> None:
+    """Write `message` to the run's log file only (Hydra's file handler), not to the console."""
+    record = logging.LogRecord("runner", logging.INFO, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def partition_table(engine, flops: list[dict] | None) -> str:
     """The engine's partition table, with FLOPs per section when the engine can count them."""
     table = engine.describe()
-    flops = section_flops(engine)
     if flops and "flops" not in table.lower():  # the engine's own table may already list them
         table += "\nFLOPs per step: " + ", ".join(
             f"section {k} forward {f['forward']:.3g} backward {f['backward']:.3g}" for k, f in enumerate(flops))
@@ -179,10 +189,13 @@ def summary(metrics: dict) -> str:
 
 def tensorboard_hint(out: Path, sweep: bool) -> str:
     """A command that works as printed: the tensorboard beside this Python (the venv's), relative if possible."""
-    logdir = out.parent if sweep else _outputs_root(out)
+    return tensorboard_command(out.parent if sweep else _outputs_root(out))
+
+
+def tensorboard_command(logdir: Path) -> str:
     script = Path(sys.executable).with_name("tensorboard")
     command = str(_relative(script)) if script.is_file() else f"{_relative(Path(sys.executable))} -m tensorboard.main"
-    return f"{command} --logdir {shlex.quote(str(_relative(logdir)))}"
+    return f"{command} --logdir {shlex.quote(str(_relative(Path(logdir))))}"
 
 
 def _relative(path: Path) -> Path:

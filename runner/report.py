@@ -72,14 +72,15 @@ def _fmt(x, spec: str) -> str:
 
 def table(runs: list[dict]) -> str:
     head = ("| job | strategy | sections | policy | batch | median step s | time / whole | peak MiB | peak / whole "
-            "| forward runs | exact | planner predicted MiB | metric |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "| forward runs | exact | planner predicted MiB | metric |\n" + "|---" * 13 + "|")
     rows = []
     order = {"whole": 0, "recompute_grad": 1, "sectioned": 2}
     for r in sorted(runs, key=lambda r: (r["batch"], order.get(r["strategy"], 3), r["num_sections"], label(r))):
         policies = ",".join(p[0] for p in r["policies"])  # r = recompute, s = store
         predicted = r.get("predicted_peak_bytes")
         rows.append(
-            f"| {r.get('folder', '-')} | {r['strategy']} | {r['num_sections']} ({'+'.join(map(str, r['section_blocks']))}) | {policies} "
+            f"| {r.get('folder', '-')} | {r['strategy']} "
+            f"| {r['num_sections']} ({'+'.join(map(str, r['section_blocks']))}) | {policies} "
             f"| {r['batch']} | {_fmt(r['median_step_seconds'], '.3f')} | {_fmt(r['time_ratio'], '.2f')} "
             f"| {_fmt(r['step_peak_bytes'] and r['step_peak_bytes'] / MiB, '.0f')} | {_fmt(r['peak_ratio'], '.2f')} "
             f"| {r.get('forward_runs_per_section')} | {'yes' if r.get('exact') else 'no' if 'exact' in r else '-'} "

@@ -32,6 +32,10 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
     checkpoint cannot follow."""
     folder = run_folder(cfg.resume)
     saved = OmegaConf.load(folder / "config.yaml")
+    lacking = [g for g in ("model", "data", "optimizer") if not OmegaConf.is_dict(saved.get(g))]
+    if lacking:
+        raise ConfigError("resume", cfg.resume, f"its config.yaml has no {', '.join(lacking)}; not a run folder "
+                          f"written by this runner")
     merged = OmegaConf.create(OmegaConf.to_container(saved, resolve=True))
     for key in ("engine", "train"):  # keys added to the runner since that run: today's defaults
         for name, value in cfg[key].items():
@@ -40,6 +44,7 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
     for name in ("batch", "sections"):
         if name not in merged:
             merged[name] = cfg[name]
+    base = OmegaConf.create(OmegaConf.to_container(merged))  # the saved run, as today's runner reads it
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -60,7 +65,7 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
         OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True, merge=False)
     merged.resume = str(cfg.resume)
 
-    changes = differences(saved, merged)
+    changes = differences(base, merged)
     refused = [k for k in changes if k.startswith(FIXED) and not k.startswith(FREE_IN_FIXED)]
     refused += [k for k in changes if _changes_slots(k, *changes[k])]
     if refused:

@@ -25,7 +25,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None) -
     from sections import ReplayMismatchError
 
     from runner.checkpoint import Checkpoints
-    from runner.record import RunRecord, section_flops
+    from runner.record import RunRecord
     from runner.resume import apply_optimizer_changes
 
     engine, data, train, changes = setup.engine, setup.data, cfg.train, changes or {}
@@ -80,14 +80,15 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None) -
                         checkpoints.save(step)
                     if stop.requested and step < train.steps:
                         saved = checkpoints.latest if _due(step, train.checkpoint_every, 0) else checkpoints.save(step)
-                        raise Interrupted(f"{stop.requested} at step {step}: saved {saved or 'nothing (state not finite)'}"
-                                          f"; continue with resume={out}", exit_code=stop.exit_code)
+                        saved = saved or "nothing (state not finite)"
+                        raise Interrupted(f"{stop.requested} at step {step}: saved {saved}; continue with "
+                                          f"resume={out}", exit_code=stop.exit_code)
         finally:
             profiler.close()
             progress.close()
         metrics = {**describe_setup(engine, cfg.batch), **exactness,
                    **summarize(history, results, data, cfg.batch, step)}
-        flops = section_flops(engine)
+        flops = record.flops
         if flops:
             metrics["flops_per_section"] = flops
             metrics["rerun_flops"] = sum((runs - 1) * f["forward"]

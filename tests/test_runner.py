@@ -82,7 +82,8 @@ def test_run_folder_holds_config_table_metrics_and_checkpoints(tiny_run):
 def test_console_is_short_and_the_tensorboard_hint_runs(tiny_run):
     out, proc = tiny_run
     assert "cuInit" not in proc.stderr and "absl::InitializeLog" not in proc.stderr
-    assert "_target_" not in proc.stdout  # the composed config went to config.yaml, not the console
+    assert "_target_" not in proc.stdout  # the composed config went to config.yaml and the log file, not the console
+    assert "_target_: models.build_resnet" in (out / "runner.log").read_text()
     assert "done:" in proc.stdout and "eval accuracy" in proc.stdout and '{"strategy"' not in proc.stdout
     hint = proc.stdout.strip().splitlines()[-1]
     assert hint.startswith("TensorBoard: ") and "--logdir" in hint
@@ -169,7 +170,8 @@ def test_resume_continues_in_the_same_folder_from_its_own_config(tiny_run, tmp_p
     assert [losses[s] for s in (3, 4)] == pytest.approx([reference[s] for s in (3, 4)], rel=1e-5)
     assert events(run)[0]["accuracy/eval"][-1][1] == pytest.approx(events(full)[0]["accuracy/eval"][-1][1], abs=1e-6)
     assert json.loads((run / "metrics.json").read_text())["step"] == 4
-    assert "sections: 2" in (run / "config.yaml").read_text() and "sections: null" in (run / "config.1.yaml").read_text()
+    assert "sections: 2" in (run / "config.yaml").read_text()
+    assert "sections: null" in (run / "config.1.yaml").read_text()
 
     # a new learning rate is applied after restoring (the checkpoint's value would win) and recorded
     proc = runner(f"resume={run}", "train.steps=5", "optimizer.learning_rate=0.0005")
@@ -188,7 +190,8 @@ def test_resume_continues_in_the_same_folder_from_its_own_config(tiny_run, tmp_p
     proc = runner(f"resume={run}", "train.steps=6", "optimizer=sgd")
     assert proc.returncode == 2
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: resume=") and "optimizer._target_ (keras.optimizers.Adam -> keras.optimizers.SGD)" in line
+    assert line.startswith("error: resume=")
+    assert "optimizer._target_ (keras.optimizers.Adam -> keras.optimizers.SGD)" in line
 
 
 def test_killed_run_with_dropout_resumes_bit_identically(tmp_path):

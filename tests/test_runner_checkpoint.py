@@ -85,7 +85,7 @@ def test_garbled_state_file_is_ignored(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="runner"):
         engine, batches, ckpt = _setup(tmp_path / "checkpoints")
         assert ckpt.restore()[0] == 2
-    assert "checkpoint is unreadable" in caplog.text
+    assert "checkpoint (the list of checkpoints) is unreadable" in caplog.text
 
 
 def test_no_readable_checkpoint_is_one_config_error(tmp_path):
@@ -114,3 +114,18 @@ def test_a_failed_write_stops_in_one_line_keeping_the_folder(tmp_path):
     with pytest.raises(CheckpointWriteError, match="could not write the step-1 checkpoint") as err:
         ckpt.save(1)
     assert "\n" not in str(err.value)
+
+
+def test_a_checkpoint_from_before_seed_states_still_resumes(tmp_path, caplog):
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")
+    engine.train_step(next(batches))
+    old = tf.train.Checkpoint(step=tf.Variable(3, dtype=tf.int64), optimizer=engine.optimizer,
+                              network=list(engine.network.layers), data=batches)
+    old.save(str(tmp_path / "checkpoints" / "ckpt"))  # as CheckpointManager did: ckpt-1, step variable 3
+    saved = _values(engine.network.trainable_variables)
+    engine.train_step(next(batches))
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert ckpt.restore()[0] == 3
+    assert "predates checkpointed seed-generator states" in caplog.text
+    for a, b in zip(saved, _values(engine.network.trainable_variables)):
+        np.testing.assert_array_equal(a, b)

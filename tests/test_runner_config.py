@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -32,15 +31,14 @@ def composed(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-def test_help_is_fast_and_lists_the_groups():
-    timings = []
-    for _ in range(2):  # best of two, so a busy machine does not fail it
-        began = time.monotonic()
-        proc = runner("--help")
-        timings.append(time.monotonic() - began)
-    assert proc.returncode == 0 and min(timings) < 2.0, timings
+def test_help_lists_the_groups_without_importing_tensorflow():
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "runner", "--help"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
     for group in ("model:", "data:", "optimizer:", "engine:", "train:", "experiment:"):
         assert group in proc.stdout
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "hydra" in imported and not {m for m in imported if m.split(".")[0] in ("tensorflow", "keras")}
 
 
 def test_default_config_is_resnet_on_digits_with_its_sections():
@@ -76,7 +74,10 @@ def _fake_run(folder: Path) -> Path:
     (folder / "checkpoints").mkdir(parents=True)
     (folder / "checkpoints" / "checkpoint").write_text("")
     (folder / "checkpoints" / "ckpt-1.index").write_text("")
-    (folder / "config.yaml").write_text("model:\n  _target_: models.build_mlp\n  hidden: [8]\n")
+    (folder / "config.yaml").write_text("model:\n  _target_: models.build_mlp\n  hidden: [8]\n"
+                                        "data:\n  _target_: models.data.digits\n"
+                                        "optimizer:\n  _target_: keras.optimizers.Adam\n  learning_rate: 0.001\n"
+                                        "batch: 256\n")
     return folder
 
 
@@ -98,8 +99,8 @@ BAD = [
     (["data=nope"], "data=nope: unknown option; allowed: digits"),
     (["optimizer=nope"], "optimizer=nope: unknown option; allowed: adam"),
     (["optimizer.bogus=1"], "optimizer.bogus=1: unknown key; optimizer has: _target_, learning_rate"),
-    (["model=mlp", "model.hiddn=[3]"], "model.hiddn=[3]: unknown key; model has: _target_, default_sections, hidden"),
-    (["data.max_shif=1"], "data.max_shif=1: unknown key; data has: _target_, test_fraction"),
+    (["model=mlp", "model.hiddn=[3]"], "model.hiddn=[3]: unknown key (did you mean 'hidden'?); model has: _target_, default_sections, hidden"),
+    (["data.max_shif=1"], "data.max_shif=1: unknown key (did you mean 'max_shift'?); data has: _target_, test_fraction"),
     (["batch=0"], "batch=0: must be a positive integer"),
     (["batch=-5"], "batch=-5: must be a positive integer"),
     (["sections=0"], "sections=0: must be at least 1"),
@@ -113,8 +114,10 @@ BAD = [
     (["resume=/no/such/run"], "resume=/no/such/run: no such folder"),
     (["resume={tmp}/other", "model=resnet"], "cannot change model._target_ (models.build_mlp -> models.build_resnet)"),
     (["resume={tmp}/other", "optimizer=adamw"], "cannot change optimizer._target_"),
-    (["resume={tmp}/other", "batch=7"], "cannot change batch (256 -> 7)"),
+    (["resume={tmp}/other", "batch=7"], "cannot change batch (256 -> 7) on resume"),
     (["resume={tmp}/nope"], "resume={tmp}/nope: no such folder"),
+    (["resume={tmp}/other", "+data.extra=1"], "cannot change data.extra (null -> 1) on resume"),
+    (["-m", "resume={tmp}/other", "train.steps=3,4"], "it cannot be part of a sweep (-m)"),
     ([*TINY, "sections=99"], "sections=99: this model has 5 blocks; allowed: 1 to 5"),
     ([*TINY, "sections=[scale1,nope]"], "sections=[scale1,nope]: unknown boundary name(s) nope; allowed: initial_conv"),
     ([*TINY, "optimizer._target_=keras.optimizers.Nope"], "optimizer._target_=keras.optimizers.Nope: cannot build"),
@@ -182,3 +185,12 @@ def test_train_options_are_the_default_plus_changes():
     assert list(smoke.defaults) == ["default", "_self_"] and "seed" not in smoke
     cfg = composed("train=smoke")
     assert cfg.train.steps == 4 and cfg.train.seed == 0 and cfg.train.profile_steps is None
+
+
+def test_an_uncreatable_run_folder_is_one_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = runner("batch=8", f"hydra.run.dir={blocker / 'run'}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: hydra.run.dir={blocker / 'run'}: cannot create the run folder"), proc.stderr

@@ -36,7 +36,7 @@ def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, or
     if not os.path.isfile(path):
         if not download:
             raise FileNotFoundError(_missing(path, "downloads are off (data.download=false)"))
-        _download(path, origin, sha256)
+        path = _download(path, origin, sha256)
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = [k for k in KEYS if k not in f.files]
@@ -58,19 +58,28 @@ def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, or
                        scale=1 / 255 if arrays["x_train"].dtype == np.uint8 else 1.0, max_shift=max_shift)
 
 
-def _download(path: str, origin: str, sha256: str | None) -> None:
+def _download(path: str, origin: str, sha256: str | None) -> str:
+    """Fetch ``origin`` to ``path``; returns where it landed (Keras falls back to /tmp/.keras when the folder
+    is not writable)."""
+    import socket
+
     import keras
 
-    # get_file falls back to /tmp/.keras when the cache folder is not writable, and a missing one is not.
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(60)  # urllib waits forever on a network that drops packets
     try:
-        keras.utils.get_file(fname=os.path.basename(path), origin=origin, file_hash=sha256,
-                             cache_dir=os.path.dirname(path), cache_subdir="")
+        # get_file falls back to /tmp/.keras when the cache folder is not writable, and a missing one is not.
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        path = keras.utils.get_file(fname=os.path.basename(path), origin=origin, file_hash=sha256,
+                                    cache_dir=os.path.dirname(path), cache_subdir="")
     except Exception as err:  # noqa: BLE001 - offline, refused, wrong hash: all end in the same advice
         why = " ".join(str(err).split()) or type(err).__name__
         raise FileNotFoundError(_missing(path, f"downloading {origin} failed: {why}")) from None
+    finally:
+        socket.setdefaulttimeout(previous)
     if not os.path.isfile(path):
         raise FileNotFoundError(_missing(path, f"downloading {origin} gave no file"))
+    return path
 
 
 def _missing(path: str, why: str) -> str:
