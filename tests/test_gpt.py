@@ -255,6 +255,12 @@ def test_runner_smoke_run_reports_bits_per_char(tmp_path):
     assert metrics["step"] == 4 and metrics["exact"] is True and metrics["metric"] == "bits_per_char"
     assert metrics["bits_per_char"] == pytest.approx(metrics["eval_loss"] / math.log(2), rel=1e-5)
     assert 0 <= metrics["accuracy"] <= 1 and metrics["num_sections"] == 2
+    from test_runner import events
+
+    scalars, _ = events(out)
+    for tag in ("loss/eval", "bits_per_char/eval", "accuracy/eval"):
+        assert [step for step, _ in scalars[tag]] == [2, 4], tag
+    np.testing.assert_allclose(scalars["bits_per_char/eval"][-1][1], metrics["bits_per_char"], rtol=1e-5)
 
 
 def test_runner_reports_a_bad_text_path_as_one_config_error(tmp_path):
