@@ -247,7 +247,7 @@ def test_engine_traces_seq2seq_sections_once_per_bucket():
     for b in batches:
         engine.train_step(b)
     counts = engine.trace_counts()
-    assert (counts["section_0/forward"], counts["section_0/backward"], counts["section_1/fused"]) == (2, 2, 3)
+    assert (counts["section_0/first"], counts["section_0/rerun_backward"], counts["section_1/fused"]) == (2, 2, 3)
     assert counts["apply"] == 1
 
 
