@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from sections import Network
 
+from .losses import classification_accuracy, classification_loss
 from ._util import SeedStream, check_int, check_rate, reject_data_args, serializable
 
 LN2 = math.log(2.0)
@@ -164,32 +165,10 @@ class Head(keras.layers.Layer):
         return {**super().get_config(), "vocab_size": self.vocab_size, "seed": self.seed}
 
 
-def next_token_loss(target_key: str = "targets"):
-    """Mean cross-entropy (nats) of the logits ``[batch, time, vocab]`` against every target token."""
-
-    def loss(logits, batch):
-        targets = tf.cast(batch[target_key], tf.int32)
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=tf.cast(logits, tf.float32))
-        return tf.reduce_mean(ce)
-
-    return loss
-
-
 def bits_per_token(target_key: str = "targets"):
     """The mean cross-entropy in bits: ``loss / ln 2`` (bits per character for character data)."""
-    loss = next_token_loss(target_key)
+    loss = classification_loss(target_key)
     return lambda logits, batch: loss(logits, batch) / LN2
-
-
-def next_token_accuracy(target_key: str = "targets"):
-    """Fraction of positions whose arg-max logit is the next token."""
-
-    def accuracy(logits, batch):
-        targets = tf.cast(batch[target_key], tf.int32)
-        hits = tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), targets)
-        return tf.reduce_mean(tf.cast(hits, tf.float32))
-
-    return accuracy
 
 
 def build_gpt(
@@ -240,6 +219,7 @@ def build_gpt(
     blocks += [(f"layer_{i}", TransformerLayer(d_model, num_heads, mlp_ratio, dropout, num_layers, seeds(),
                                                name=f"layer_{i}")) for i in range(num_layers)]
     blocks.append(("head", Head(vocab_size, embed if tie_embeddings else None, seeds(), name="head")))
-    return Network(blocks, loss=next_token_loss(), inputs="tokens",
-                   metrics={"bits_per_char": bits_per_token(), "accuracy": next_token_accuracy()},
+    # Sparse cross-entropy and arg-max accuracy work per position for [batch, time, vocab] logits too.
+    return Network(blocks, loss=classification_loss("targets"), inputs="tokens",
+                   metrics={"bits_per_char": bits_per_token(), "accuracy": classification_accuracy("targets")},
                    loss_fields=("targets",))

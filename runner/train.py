@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from runner.build import Setup
 from runner.errors import ConfigError, Interrupted, NonFiniteLoss, RunnerError

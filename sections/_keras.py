@@ -15,7 +15,7 @@ and ``model.save()`` after training holds the trained weights.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import keras
 import tensorflow as tf
