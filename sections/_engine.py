@@ -173,7 +173,12 @@ class Engine(Trainer):
         base = self.plan.base_bytes
         scale = (measured - base) / max(1, predicted - base)
         old = self.plan
-        self.plan = self._plan(scale)
+        try:
+            self.plan = self._plan(scale)
+        except ValueError as err:
+            raise ValueError(f"the first step's measured peak {rules.human_bytes(measured)} exceeded the plan's "
+                             f"prediction {rules.human_bytes(predicted)}; with activation costs corrected by "
+                             f"{scale:.3g}: {err}") from None
         self.schedule = self.plan.schedule
         message = (f"measured step peak {rules.human_bytes(measured)} exceeded the plan's prediction "
                    f"{rules.human_bytes(predicted)}; activation costs scaled by {scale:.3f} and re-planned: "
