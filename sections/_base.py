@@ -106,6 +106,11 @@ class Trainer:
         self._read_counters()
         return loss, list(grads)
 
+    def _scale_loss(self, loss):
+        """The loss whose gradients a step applies: the optimizer's own scaling (a ``LossScaleOptimizer``'s
+        dynamic scale; its ``apply_gradients`` unscales), as Keras's ``train_step`` does."""
+        return self.optimizer.scale_loss(loss) if hasattr(self.optimizer, "scale_loss") else loss
+
     def _read_counters(self) -> list[int]:
         runs = [int(c.numpy()) for c in self._counters]
         for c in self._counters:

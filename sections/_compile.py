@@ -36,8 +36,11 @@ class SectionFunctions:
     snapshot and drops its state writes, so it computes exactly what the first run did.
     """
 
-    def __init__(self, network, section, counter: tf.Variable, jit_compile: bool = False, tol: float = 1e-4):
+    def __init__(self, network, section, counter: tf.Variable, jit_compile: bool = False, tol: float = 1e-4,
+                 scale_loss=None):
         self.network = network
+        # The loss the gradients are taken of (loss scaling for mixed precision, 1/replicas under a strategy).
+        self.scale_loss = scale_loss or (lambda loss: loss)
         self.section = section
         self.counter = counter
         self.tol = tol
@@ -119,7 +122,8 @@ class SectionFunctions:
             tape.watch(xs)
             out = self._run(h, batch)
             loss = self.network.loss(out, batch)
-        grads = tape.gradient(loss, xs + self.section.variables)
+            scaled = self.scale_loss(loss)
+        grads = tape.gradient(scaled, xs + self.section.variables)
         return loss, grads[: len(xs)], grads[len(xs):]
 
     def trace_counts(self) -> dict[str, int]:

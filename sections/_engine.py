@@ -89,7 +89,7 @@ class Engine(Trainer):
         return variables + slots + self._batch_bytes
 
     def _compile(self) -> None:
-        self._fns = [SectionFunctions(self.network, s, c, self.jit_compile)
+        self._fns = [SectionFunctions(self.network, s, c, self.jit_compile, scale_loss=self._scale_loss)
                      for s, c in zip(self.sections, self._counters)]
         # Sparse (embedding) gradients change length with the batch's shapes: their length is left unknown.
         self._apply = RelaxedFunction(self._apply_gradients, self.jit_compile, batch_args=())

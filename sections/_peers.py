@@ -56,7 +56,8 @@ class WholeGraph(Trainer):
             for sec in self.sections:
                 h = self._section_output(sec, h, batch)
             loss = self.network.loss(h, batch)
-        return loss, tape.gradient(loss, self._trainable)
+            scaled = self._scale_loss(loss)
+        return loss, tape.gradient(scaled, self._trainable)
 
     def _section_output(self, sec, h, batch):
         return self._run_section(sec, h, batch)
