@@ -11,6 +11,7 @@ from ._memory import MemoryMeter
 from ._network import Network, unique_variables
 from ._partition import Section, balanced_starts, format_table
 from ._profile import output_specs, probe_slice, shape_costs
+from ._replicas import Replicas, local_size, scale_for_replicas
 from ._structure import nbytes
 
 
@@ -24,7 +25,7 @@ class Trainer:
 
     def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
                  policy="recompute", jit_compile: bool = False, memory_budget: int | str | None = None,
-                 probe_batch: int = 64, device: str | None = None):
+                 probe_batch: int = 64, device: str | None = None, distribute=None):
         if not isinstance(network, Network):
             raise ValueError(f"network must be a sections.Network; got {type(network).__name__}.")
         if isinstance(sections, tuple):
@@ -36,7 +37,8 @@ class Trainer:
         self.optimizer = optimizer
         self.jit_compile = bool(jit_compile)
         self.probe_batch = int(probe_batch)
-        self.meter = MemoryMeter(device)
+        self.replicas = Replicas(distribute)
+        self.meter = MemoryMeter(device or self.replicas.devices() or None)
         self.memory_budget = rules.parse_bytes(memory_budget) if memory_budget is not None else None
         self._sections_arg = sections
         self._starts = network.boundary_starts(sections) if isinstance(sections, list) else None
@@ -46,25 +48,40 @@ class Trainer:
 
     # ------------------------------------------------------------------ build
     def build(self, batch: Mapping[str, tf.Tensor]) -> None:
-        """Create variables (without running anything: no state moves), settle the partition, build the optimizer."""
+        """Create variables (without running anything: no state moves), settle the partition, build the optimizer.
+
+        Under a strategy ``batch`` is the global batch; variables are created in the strategy's scope and the
+        partition is settled for one replica's share of the batch (what each replica runs).
+        """
         if self._built:
             return
         self.network.check_batch(batch)
-        self.network.build(batch)
-        self._probe = probe_slice(self.network, batch, self.probe_batch)
-        self._batch_bytes = nbytes(dict(batch))
-        self._output_specs, self._input_specs = output_specs(self.network, *self._probe)
-        starts, policies = self._settle(batch)
-        self._make_sections(starts, policies)
-        self._trainable = self.network.trainable_variables
-        self._var_index = {id(v): i for i, v in enumerate(self._trainable)}
-        if not getattr(self.optimizer, "built", False):
-            self.optimizer.build(self._trainable)
-        self._counters = [tf.Variable(0, dtype=tf.int64, trainable=False) for _ in self.sections]
+        local = self.replicas.first_slice(dict(batch))
+        with self.replicas.scope():
+            self.network.build(local)
+            self._probe = probe_slice(self.network, local, self.probe_batch)
+            self._batch_bytes = nbytes(local)
+            self._output_specs, self._input_specs = output_specs(self.network, *self._probe)
+            starts, policies = self._settle(local)
+            self._make_sections(starts, policies)
+            self._trainable = self.network.trainable_variables
+            self._var_index = {id(v): i for i, v in enumerate(self._trainable)}
+            self.replicas.check_owned(self.network.variables, self.optimizer)
+            if not getattr(self.optimizer, "built", False):
+                self.optimizer.build(self._trainable)
+            self._counters = self._make_counters()
         self._fields = [self.network.fields_for(s.start, s.stop, list(batch)) for s in self.sections]
-        self._evaluate = tf.function(self._evaluate_fn)
+        self._evaluate = tf.function(self.replicas.wrap(self._evaluate_fn))
+        self._evaluate_here = tf.function(self._evaluate_fn)
         self._compile()
         self._built = True
+
+    def _make_counters(self) -> list[tf.Variable]:
+        # Under a strategy every replica increments its counter; the first replica's count is kept, so
+        # forward runs read per replica.
+        with self.replicas.scope():
+            return [tf.Variable(0, dtype=tf.int64, trainable=False,
+                                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA) for _ in self.sections]
 
     def _balanced_starts(self, count: int) -> list[int]:
         """``count`` sections balanced by activation bytes counted from tensor shapes (the same cut on every
@@ -92,23 +109,28 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def train_step(self, batch: Mapping[str, tf.Tensor]) -> dict:
-        """One training step; returns loss, forward runs per section, peak bytes per section and for the step."""
+        """One training step; returns loss, forward runs per section, peak bytes per section and for the step
+        (under a strategy: ``batch`` is the global batch, forward runs are per replica, peaks are the largest
+        replica device's, and ``device_peak_bytes`` has each device's)."""
         self.build(batch)
         self.network.check_batch(batch)
-        return self._step(dict(batch))
+        return self._step(self.replicas.split(dict(batch)))
 
     def gradients(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, list]:
         """Loss and gradients (aligned with ``network.trainable_variables``; None where a variable gets none),
         computed as a step would, state updates included, but not applied."""
         self.build(batch)
         self.network.check_batch(batch)
-        loss, grads = self._gradients(dict(batch))
+        loss, grads = self._gradients(self.replicas.split(dict(batch)))
         self._read_counters()
+        if self.replicas.distributed:  # each replica's gradient of its scaled loss; their sum is the batch's
+            return tf.constant(self.replicas.mean(loss)), [self.replicas.sum(g) for g in grads]
         return loss, list(grads)
 
     def _scale_loss(self, loss):
         """The loss whose gradients a step applies: the optimizer's own scaling (a ``LossScaleOptimizer``'s
         dynamic scale; its ``apply_gradients`` unscales), as Keras's ``train_step`` does."""
+        loss = scale_for_replicas(loss)
         return self.optimizer.scale_loss(loss) if hasattr(self.optimizer, "scale_loss") else loss
 
     def _read_counters(self) -> list[int]:
@@ -128,7 +150,11 @@ class Trainer:
         """Loss and metrics in inference mode (no state changes)."""
         self.build(batch)
         self.network.check_batch(batch)
-        return {k: float(v) for k, v in self._evaluate(dict(batch)).items()}
+        if self.replicas.distributed and local_size(batch, self.replicas) % self.replicas.count:
+            # A batch the replicas cannot share equally (an evaluation set's remainder) runs on one device.
+            return {k: float(v) for k, v in self._evaluate_here(dict(batch)).items()}
+        values = self._evaluate(self.replicas.split(dict(batch)))
+        return {k: self.replicas.mean(v) for k, v in values.items()}
 
     # ------------------------------------------------------------------ reports
     def _policy_label(self, section) -> str:

@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 from ._relaxed import RelaxedFunction
+from ._replicas import Replicas, local_size
 from ._structure import float_leaves
 
 
@@ -37,8 +38,9 @@ class SectionFunctions:
     """
 
     def __init__(self, network, section, counter: tf.Variable, jit_compile: bool = False, tol: float = 1e-4,
-                 scale_loss=None):
+                 scale_loss=None, replicas=None):
         self.network = network
+        self.replicas = replicas or Replicas()
         # The loss the gradients are taken of (loss scaling for mixed precision, 1/replicas under a strategy).
         self.scale_loss = scale_loss or (lambda loss: loss)
         self.section = section
@@ -46,16 +48,20 @@ class SectionFunctions:
         self.tol = tol
         self.needs_input_grad = section.index > 0
         batch_args = {"first": (0, 1), "replay": (0, 1), "rerun_backward": (0, 1, 2, 4), "fused": (0, 1)}
-        self._compiled = {name: RelaxedFunction(getattr(self, "_" + name), jit_compile, args)
+        self._compiled = {name: RelaxedFunction(self.replicas.wrap(getattr(self, "_" + name)), jit_compile, args)
                           for name, args in batch_args.items()}
 
     def _call(self, name, h, *args):
-        return self._compiled[name](int(tf.nest.flatten(h)[0].shape[0]), h, *args)
+        return self._compiled[name](local_size(h, self.replicas), h, *args)
 
     # ---------------------------------------------------------------- what policies call
     def sources(self, h) -> list:
         """The input's tensors that get a gradient (none for the first section: its input is data)."""
-        return float_leaves(h) if self.needs_input_grad else []
+        if not self.needs_input_grad:
+            return []
+        if not self.replicas.distributed:
+            return float_leaves(h)
+        return [t for t in tf.nest.flatten(h) if tf.as_dtype(self.replicas.local(t).dtype).is_floating]
 
     def forward(self, h, view, snapshot=None):
         """Run the section: the first time in a step (``snapshot=None``) or a replay. Returns (output, snapshot)."""
@@ -66,19 +72,45 @@ class SectionFunctions:
     def rerun_backward(self, h, view, upstream, snapshot, expected=None):
         """Re-run from the cached input and state, then a vector-Jacobian product."""
         g_in, g_vars, diff = self._call("rerun_backward", h, view, upstream, snapshot, expected)
-        if expected is not None and float(diff) > self.tol:
+        if expected is not None and self.replicas.max(diff) > self.tol:
             sec = self.section
             raise ReplayMismatchError(
                 f"{sec.name} ({sec.block_names[0]}..{sec.block_names[-1]}): the re-run forward differs from "
-                f"the first run (max relative difference {float(diff):.3g} > {self.tol}). Randomness inside it is "
+                f"the first run (max relative difference {self.replicas.max(diff):.3g} > {self.tol}). Randomness inside it is "
                 f"not replayable; draw it through a keras.random.SeedGenerator, or use policy='store' for it.")
         return g_in, g_vars
 
     def tape_backward(self, tape, h, out, upstream):
         """Backward from a tape kept during the forward (no re-run)."""
-        xs, ys = self.sources(h), float_leaves(out)
+        xs, ys = self.sources(h), self.sources_of(out)
+        if self.replicas.distributed:
+            return self._tape_backward_per_replica(tape, xs, ys, upstream)
         grads = tape.gradient(ys, xs + self.section.variables, output_gradients=_zeros_for_missing(ys, upstream))
         return grads[: len(xs)], grads[len(xs):]
+
+    def sources_of(self, out) -> list:
+        if not self.replicas.distributed:
+            return float_leaves(out)
+        return [t for t in tf.nest.flatten(out) if tf.as_dtype(self.replicas.local(t).dtype).is_floating]
+
+    def watch(self, tape, h) -> None:
+        """Watch the input's gradient-carrying tensors (each replica's components under a strategy)."""
+        tape.watch([c for x in self.sources(h) for c in self.replicas.components(x)])
+
+    def _tape_backward_per_replica(self, tape, xs, ys, upstream):
+        # The tape recorded one multi-device call: differentiate each replica's components (its variables'
+        # components included) and pack them back into per-replica values.
+        parts = self.replicas.components
+        up = [parts(g) if g is not None else [tf.zeros_like(c) for c in parts(y)] for y, g in zip(ys, upstream)]
+        flat_ys = [c for y in ys for c in parts(y)]
+        flat_up = [c for g in up for c in g]
+        sources = [parts(x) for x in xs] + [parts(v) for v in self.section.variables]
+        grads = tape.gradient(flat_ys, [c for group in sources for c in group], output_gradients=flat_up)
+        packed, i = [], 0
+        for group in sources:
+            packed.append(self.replicas.pack(grads[i:i + len(group)]))
+            i += len(group)
+        return packed[: len(xs)], packed[len(xs):]
 
     def fused(self, h, view):
         """The last section: forward, loss and backward in one run. Returns (loss, input grads, variable grads)."""

@@ -38,7 +38,11 @@ class Engine(Trainer):
         check: compare each re-run's output with its first run and raise on a mismatch.
         memory_budget: bytes (or a string like ``"2GiB"``) for ``sections="auto"``.
         probe_batch: examples used by the per-block memory probe (``sections="auto"`` only).
-        device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``).
+        device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
+            strategy, its replica devices).
+        distribute: a ``tf.distribute`` strategy (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``) to run
+            every section on each replica with its share of the global batch. Create the optimizer (and the
+            model, if you build it yourself) under ``strategy.scope()``; ``batch`` stays the global batch.
 
     Example:
         >>> engine = Engine(net, keras.optimizers.Adam(1e-3), sections=4)
@@ -50,11 +54,13 @@ class Engine(Trainer):
 
     def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
                  policy="recompute", jit_compile: bool = False, check: bool = False,
-                 memory_budget: int | str | None = None, probe_batch: int = 64, device: str | None = None):
+                 memory_budget: int | str | None = None, probe_batch: int = 64, device: str | None = None,
+                 distribute=None):
         fixed = sections if isinstance(sections, Schedule) else None
         if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
             sections, policy = fixed.num_sections, list(fixed.policies)
-        super().__init__(network, optimizer, sections, policy, jit_compile, memory_budget, probe_batch, device)
+        super().__init__(network, optimizer, sections, policy, jit_compile, memory_budget, probe_batch, device,
+                         distribute)
         self.check = bool(check)
         self._fixed = fixed
         if sections != "auto":
@@ -89,10 +95,11 @@ class Engine(Trainer):
         return variables + slots + self._batch_bytes
 
     def _compile(self) -> None:
-        self._fns = [SectionFunctions(self.network, s, c, self.jit_compile, scale_loss=self._scale_loss)
+        self._fns = [SectionFunctions(self.network, s, c, self.jit_compile, scale_loss=self._scale_loss,
+                                      replicas=self.replicas)
                      for s, c in zip(self.sections, self._counters)]
         # Sparse (embedding) gradients change length with the batch's shapes: their length is left unknown.
-        self._apply = RelaxedFunction(self._apply_gradients, self.jit_compile, batch_args=())
+        self._apply = RelaxedFunction(self.replicas.wrap(self._apply_gradients), self.jit_compile, batch_args=())
 
     def _policy_label(self, section) -> str:
         return "fused (last)" if section.index == len(self.sections) - 1 else section.policy
@@ -102,8 +109,10 @@ class Engine(Trainer):
         loss, grads, peaks, step_peak = self._cycle(batch)
         self.meter.reset()
         self._apply(0, *self._present(grads))
-        stats = {"loss": float(loss), "forward_runs": self._read_counters(), "peak_bytes": peaks,
-                 "step_peak_bytes": max(step_peak, self.meter.peak())}
+        apply_peaks = self.meter.peaks()
+        device_peaks = {d: max(p, apply_peaks[d]) for d, p in step_peak.items()}
+        stats = {"loss": self.replicas.mean(loss), "forward_runs": self._read_counters(), "peak_bytes": peaks,
+                 "step_peak_bytes": max(device_peaks.values()), "device_peak_bytes": device_peaks}
         if self.plan is not None and not self.replans:
             self._replan_if_over(stats["step_peak_bytes"])
         return stats
@@ -139,7 +148,14 @@ class Engine(Trainer):
 
         meter.reset()
         h = descend(0, last + 1, batch[self.network.inputs])
-        step_peak, peaks = meter.peak(), [0] * (last + 1)
+        step_peak, peaks = meter.peaks(), [0] * (last + 1)
+
+        def measured(k):
+            device_peaks = meter.peaks()
+            for d, p in device_peaks.items():
+                step_peak[d] = max(step_peak[d], p)
+            peaks[k] = max(device_peaks.values())
+
         meter.reset()
         loss, upstream, var_grads = fns[last].fused(h, views[last])
         # Check mode keeps each section's input one section longer, to compare the re-run of the one before.
@@ -147,7 +163,7 @@ class Engine(Trainer):
         del h
         grads: list = [None] * len(self._trainable)
         self._accumulate(grads, self.sections[last].variables, var_grads)
-        peaks[last] = meter.peak()
+        measured(last)
         for k in range(last - 1, -1, -1):
             meter.reset()
             if kept[k] is None:
@@ -162,8 +178,8 @@ class Engine(Trainer):
             del keeps
             snapshots[k] = None
             self._accumulate(grads, self.sections[k].variables, var_grads)
-            peaks[k] = meter.peak()
-        return loss, grads, peaks, max(step_peak, *peaks)
+            measured(k)
+        return loss, grads, peaks, step_peak
 
     def _replan_if_over(self, measured: int) -> None:
         """The first measured step above the plan's prediction corrects the cost model and re-plans."""
@@ -188,7 +204,7 @@ class Engine(Trainer):
         log.warning(message)
         starts, policies = list(self.schedule.starts), [p.name for p in self.schedule.policies]
         self._make_sections(starts, policies)
-        self._counters = [tf.Variable(0, dtype=tf.int64, trainable=False) for _ in self.sections]
+        self._counters = self._make_counters()
         self._fields = [self.network.fields_for(s.start, s.stop, list(self._probe[0])) for s in self.sections]
         self._compile()
 
@@ -197,7 +213,7 @@ class Engine(Trainer):
             if g is None:
                 continue
             i = self._var_index[id(v)]
-            grads[i] = g if grads[i] is None else add_gradients(grads[i], g)
+            grads[i] = g if grads[i] is None else self.replicas.add(add_gradients, grads[i], g)
 
     def _present(self, grads: list):
         idx = tuple(i for i, g in enumerate(grads) if g is not None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+import keras
 import tensorflow as tf
 
 from . import rules
@@ -148,7 +149,10 @@ class Network:
         state updates, so a step after it computes what a plain loop building its layers lazily would."""
         self.check_batch(batch)
         specs = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), dict(batch))
-        tf.function(lambda b: self.forward(b, training=True)).get_concrete_function(specs)
+        # In a stateless scope Keras defers creating variables to the scope's exit, where they are made
+        # eagerly (so a strategy's scope mirrors them), and the trace's state writes are dropped.
+        with keras.StatelessScope():
+            tf.function(lambda b: self.forward(b, training=True)).get_concrete_function(specs)
 
     @classmethod
     def from_keras(cls, model, loss: LossFn, inputs: str = "image", fields=None, **kwargs) -> "Network":

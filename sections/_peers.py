@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from ._base import Trainer
 from ._relaxed import RelaxedFunction
+from ._replicas import local_size
 
 
 class WholeGraph(Trainer):
@@ -16,30 +17,32 @@ class WholeGraph(Trainer):
     strategy = "whole"
 
     def __init__(self, network, optimizer, sections=1, policy=None, jit_compile: bool = False, check: bool = False,
-                 memory_budget=None, probe_batch: int = 64, device: str | None = None):
+                 memory_budget=None, probe_batch: int = 64, device: str | None = None, distribute=None):
         # policy, check and memory_budget belong to the sectioned engine; accepted so configs can switch classes.
         if sections == "auto":
             raise ValueError(f"sections='auto' plans the sectioned engine; {type(self).__name__} takes an int "
                              f"or a list of boundary names.")
         super().__init__(network, optimizer, sections, jit_compile=jit_compile, probe_batch=probe_batch,
-                         device=device)
+                         device=device, distribute=distribute)
 
     def _settle(self, batch):
         starts = self._starts if self._starts is not None else self._balanced_starts(self._sections_arg)
         return starts, [self.strategy] * (len(starts) + 1)
 
     def _compile(self) -> None:
-        self._train_fn = RelaxedFunction(self._train, self.jit_compile, batch_args=(0,))
-        self._grads_fn = RelaxedFunction(self._tape_gradients, self.jit_compile, batch_args=(0,))
+        self._train_fn = RelaxedFunction(self.replicas.wrap(self._train), self.jit_compile, batch_args=(0,))
+        self._grads_fn = RelaxedFunction(self.replicas.wrap(self._tape_gradients), self.jit_compile, batch_args=(0,))
 
     def _step(self, batch) -> dict:
         self.meter.reset()
-        loss = self._train_fn(_size(self.network, batch), batch)
-        return {"loss": float(loss), "forward_runs": self._read_counters(),
-                "peak_bytes": [None] * len(self.sections), "step_peak_bytes": self.meter.peak()}
+        loss = self._train_fn(local_size(batch, self.replicas), batch)
+        device_peaks = self.meter.peaks()
+        return {"loss": self.replicas.mean(loss), "forward_runs": self._read_counters(),
+                "peak_bytes": [None] * len(self.sections), "step_peak_bytes": max(device_peaks.values()),
+                "device_peak_bytes": device_peaks}
 
     def _gradients(self, batch):
-        return self._grads_fn(_size(self.network, batch), batch)
+        return self._grads_fn(local_size(batch, self.replicas), batch)
 
     def _train(self, batch):
         loss, grads = self._tape_gradients(batch)
@@ -84,6 +87,3 @@ class RecomputeGrad(WholeGraph):
         flat = tf.recompute_grad(run)(*tf.nest.flatten(h))
         return tf.nest.pack_sequence_as(self.sections[sec.index + 1].input_specs, flat)
 
-
-def _size(network, batch) -> int:
-    return int(tf.nest.flatten(batch[network.inputs])[0].shape[0])

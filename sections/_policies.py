@@ -103,9 +103,17 @@ class Store(Policy):
 
     def forward(self, fns, h, view, snapshot):
         tape = tf.GradientTape()
-        with tape:
-            tape.watch(fns.sources(h))
-            out, snapshot = fns.forward(h, view, snapshot)
+        try:
+            with tape:
+                fns.watch(tape, h)
+                out, snapshot = fns.forward(h, view, snapshot)
+        except RuntimeError as err:
+            if "Mismatching tf.distribute.Strategy" not in str(err):
+                raise
+            # A cross-replica op inside (synchronized batch norm's all-reduce) has a gradient that must run in
+            # replica context, which a tape kept outside strategy.run cannot give it.
+            raise ValueError(f"{fns.section.name}: policy 'store' cannot keep a tape across a cross-replica op "
+                             f"(synchronized batch norm) under a strategy; use 'recompute' for it.") from None
         return out, snapshot, (tape, h, out)
 
     def backward(self, fns, kept, view, upstream, snapshot, expected=None):
