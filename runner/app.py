@@ -27,13 +27,22 @@ def run(cfg: DictConfig, out: Path) -> float:
     if cfg.resume is not None:
         cfg, changes, out = _resumed(cfg)
     check_config(cfg)
+    from runner import distribute
+
+    distribute.check(cfg)
     from runner.quiet import load_tensorflow
 
     load_tensorflow()
+    strategy = distribute.make_strategy(cfg)  # before anything else runs TensorFlow
     from runner.build import build
     from runner.train import fit
 
-    return fit(cfg, build(cfg), out, changes)
+    if distribute.is_chief(strategy):
+        return fit(cfg, build(cfg, strategy), out, changes)
+    # Another worker of a multi-worker run: it takes part in every step, save included (collective reads),
+    # but writes into a scratch folder it deletes; it resumes from the run's own checkpoints.
+    with distribute.scratch_folder() as scratch:
+        return fit(cfg, build(cfg, strategy), scratch, changes, restore_from=out / "checkpoints")
 
 
 def _resumed(cfg: DictConfig):

@@ -16,9 +16,13 @@ class Setup:
     engine: Any
     sections: Any  # the resolved `sections` handed to the engine
     probe: dict  # one training batch, from its own iterator, used to build the engine
+    strategy: Any = None  # the tf.distribute strategy (None: one device)
 
 
-def build(cfg: DictConfig) -> Setup:
+def build(cfg: DictConfig, strategy=None) -> Setup:
+    """Under a strategy, the network and optimizer are made in its scope and the engine runs on its replicas."""
+    import contextlib
+
     import keras
     import tensorflow as tf
 
@@ -32,20 +36,22 @@ def build(cfg: DictConfig) -> Setup:
     data_args = dict(getattr(data, "model_args", {}) or {})
     # A key the model config sets itself (keras_app's input_shape) wins; the builder sees the data's as data_args.
     own = {k: data_args.pop(k) for k in list(data_args) if model_cfg.get(k) is not None}
-    network = instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
-    sections = resolve_sections(cfg)
-    check_boundaries(sections, network)
-    optimizer = instantiate(cfg.optimizer, "optimizer")
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        network = instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
+        sections = resolve_sections(cfg)
+        check_boundaries(sections, network)
+        optimizer = instantiate(cfg.optimizer, "optimizer")
 
     engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
     probe = next(iter(data.train_batches(cfg.batch, cfg.train.seed)))
     try:
         engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections,
-                             _convert_="all")  # a plain list of boundary names, not a ListConfig
+                             _convert_="all",  # a plain list of boundary names, not a ListConfig
+                             **({"distribute": strategy} if strategy is not None else {}))
         engine.build(probe)
     except ValueError as err:
         raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
-    return Setup(data=data, engine=engine, sections=sections, probe=probe)
+    return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy)
 
 
 def resolve_sections(cfg: DictConfig):

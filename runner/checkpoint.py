@@ -85,20 +85,21 @@ class Checkpoints:
                 return getattr(v, "path", None) or v.name
         return None
 
-    def numbered(self) -> list[tuple[int, Path]]:
+    def numbered(self, directory: Path | None = None) -> list[tuple[int, Path]]:
         """(step, prefix) of every checkpoint file set in the folder, newest first."""
-        if not self.directory.is_dir():
+        directory = Path(directory or self.directory)
+        if not directory.is_dir():
             return []
-        found = [(int(m.group(1)), self.directory / f"ckpt-{m.group(1)}")
-                 for p in self.directory.iterdir() if (m := _NUMBERED.match(p.name))]
+        found = [(int(m.group(1)), directory / f"ckpt-{m.group(1)}")
+                 for p in directory.iterdir() if (m := _NUMBERED.match(p.name))]
         return sorted(found, reverse=True)
 
-    def restore(self) -> tuple[int, str]:
-        """Load the newest readable checkpoint of the folder; returns (its step, its path).
+    def restore(self, directory: Path | None = None) -> tuple[int, str]:
+        """Load the newest readable checkpoint of the folder (or of `directory`); returns (its step, its path).
 
         A checkpoint that cannot be read is named in a warning and the previous one is tried."""
         failures = []
-        for step, prefix in self.numbered():
+        for step, prefix in self.numbered(directory):
             try:
                 self._restore(prefix)
             except Exception as err:  # noqa: BLE001 - a truncated file raises IndexError, others OpError
@@ -110,7 +111,7 @@ class Checkpoints:
                 log.warning(f"resuming from {prefix.name}, the newest readable checkpoint")
             self._latest = str(prefix)
             return int(self.step.numpy()), str(prefix)
-        folder = self.directory.parent
+        folder = Path(directory or self.directory).parent
         if not failures:
             raise ConfigError("resume", folder, "that run folder holds no checkpoint")
         raise ConfigError("resume", folder, "no checkpoint there can be read into this model/data: "

@@ -14,13 +14,17 @@ number of replicas.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError, RunnerError
 
@@ -158,12 +162,14 @@ def make_strategy(cfg: DictConfig, environ: Optional[Mapping[str, str]] = None):
         return None
     import tensorflow as tf
 
+    key = json.dumps(OmegaConf.to_container(node), sort_keys=True)
     if node.kind == "mirrored":
         if node.cpu_devices is not None:
             _logical_cpus(tf, node.cpu_devices)
-            strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(node.cpu_devices)])
+            strategy = _cached(key, lambda: tf.distribute.MirroredStrategy(
+                [f"/cpu:{i}" for i in range(node.cpu_devices)]))
         else:
-            strategy = tf.distribute.MirroredStrategy()
+            strategy = _cached(key, tf.distribute.MirroredStrategy)
     else:
         options = tf.distribute.experimental.CommunicationOptions(
             implementation={"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -172,10 +178,32 @@ def make_strategy(cfg: DictConfig, environ: Optional[Mapping[str, str]] = None):
             timeout_seconds=node.timeout_seconds)
         resolver = (_slurm_resolver(tf, node.port_base, os.environ if environ is None else environ)
                     if me.source == "slurm" else tf.distribute.cluster_resolver.TFConfigClusterResolver())
-        strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
+        strategy = _cached(key, lambda: tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=resolver, communication_options=options))
     check_batch(cfg.batch, strategy.num_replicas_in_sync, f"distribute={node.kind} over {', '.join(devices(strategy))}"
                 + (f" on each of {me.workers} workers" if me is not None and me.workers > 1 else ""))
     return strategy
+
+
+_STRATEGIES: dict = {}
+
+
+def _cached(key: str, make):
+    # One strategy per setting per process: sweep jobs in one process reuse it (two strategies over the same
+    # devices would share collective keys and clash), and TensorFlow allows one multi-worker set-up per process.
+    if key not in _STRATEGIES:
+        _STRATEGIES[key] = make()
+    return _STRATEGIES[key]
+
+
+@contextlib.contextmanager
+def scratch_folder():
+    """A temporary folder a non-chief worker writes into (checkpoints need every worker), removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="sectionflow-worker-"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def replicas(strategy) -> int:

@@ -9,6 +9,7 @@ errors only), with CUDA lines dropped when no GPU was found.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -41,6 +42,8 @@ def load_tensorflow():
             shown = filtered(text, has_gpu=bool(gpus), min_level=_min_level() if tf is not None else 0)
             if shown:
                 print("\n".join(shown), file=sys.stderr, flush=True)
+    # tf.distribute logs a line per reduction at INFO ("Reduce to ... then broadcast"); the run's log is ours.
+    logging.getLogger("tensorflow").setLevel(logging.WARNING)
     load_tensorflow.done = True
     return tf
 

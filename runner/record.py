@@ -70,7 +70,7 @@ class RunRecord:
                  f"model {_short(cfg.model._target_)}, data {_short(cfg.data._target_)}, batch {cfg.batch}, "
                  f"{cfg.train.steps} steps, optimizer {_short(cfg.optimizer._target_)}"
                  + (f" lr {lr:g}" if isinstance(lr, (int, float)) else "") + f", engine {strategy}",
-                 f"device: {device}",
+                 f"device: {device}" + _topology(self.setup),
                  table,
                  f"full config: {self.out / 'config.yaml'}"]
         return "\n".join(lines)
@@ -147,6 +147,18 @@ def section_flops(engine) -> list[dict] | None:
         return None
     finally:
         tf_log.setLevel(level)
+
+
+def _topology(setup) -> str:
+    """`, distribute: 2 replicas on CPU:0, CPU:1` under a strategy; nothing on one device."""
+    strategy = getattr(setup, "strategy", None)
+    if strategy is None:
+        return ""
+    from runner import distribute
+
+    info = distribute.summary(strategy)
+    workers = f" over {info['workers']} workers" if info["workers"] > 1 else ""
+    return f", distribute: {info['replicas']} replicas{workers} (this process: {', '.join(info['devices'])})"
 
 
 def device_name() -> str:

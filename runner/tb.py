@@ -60,6 +60,9 @@ class Board:
     def train_step(self, step: int, stats: dict, seconds: float, examples: int) -> None:
         values = {"loss/train": stats["loss"], "memory_MiB/step_peak": _mib(stats["step_peak_bytes"]),
                   "time/step_seconds": seconds, "throughput/examples_per_second": examples / seconds}
+        devices = stats.get("device_peak_bytes") or {}
+        if len(devices) > 1:  # replicas on devices with their own allocators: each one's step peak
+            values.update({f"memory_MiB/step_peak/{d.replace(':', '_')}": _mib(p) for d, p in devices.items()})
         for k, (peak, runs) in enumerate(zip(stats["peak_bytes"], stats["forward_runs"])):
             values[f"memory_MiB/section_{k}"] = _mib(peak)
             values[f"forward_runs/section_{k}"] = runs

@@ -20,8 +20,9 @@ from runner.progress import Progress, human_bytes
 log = logging.getLogger("runner")
 
 
-def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None) -> float:
-    """Train `cfg.train.steps` steps (continuing `cfg.resume`, whose folder is `out`); returns the eval metric."""
+def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, restore_from: Path | None = None) -> float:
+    """Train `cfg.train.steps` steps (continuing `cfg.resume`, whose folder is `out`); returns the eval metric.
+    `restore_from`: where a resumed run's checkpoints are read, when not `out/checkpoints` (another worker)."""
     from sections import ReplayMismatchError
 
     from runner.checkpoint import Checkpoints
@@ -33,7 +34,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None) -
     checkpoints = Checkpoints(out / "checkpoints", engine, batches, train.keep_checkpoints)
     start = 0
     if cfg.resume:
-        start, restored = checkpoints.restore()
+        start, restored = checkpoints.restore(restore_from)
         if start >= train.steps:
             raise ConfigError("train.steps", train.steps, f"must exceed the resumed run's step {start} "
                               f"(give train.steps=<more>)")
@@ -146,9 +147,13 @@ def verify_exact(engine, batch, examples: int = 64) -> dict:
 
 def describe_setup(engine, batch: int) -> dict:
     """What was trained and how: for reports that compare runs."""
+    from runner import distribute
+
+    strategy = getattr(getattr(engine, "replicas", None), "strategy", None)
     info = {
         "strategy": getattr(engine, "strategy", type(engine).__name__),
         "batch": batch,
+        **distribute.summary(strategy),
         "num_sections": len(engine.sections),
         "section_blocks": [len(s.block_names) for s in engine.sections],
         "policies": [s.policy for s in engine.sections],

@@ -14,13 +14,15 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
     between graphs, so single elements that cancel to near zero carry relative noise); state (batch-norm
     statistics, seed generators) must match elementwise to ``rtol``. Non-finite values are never a match.
     ``examples`` slices the batch so the whole-graph step fits in memory (``None``: all of it). Model and
-    optimizer state are restored afterwards.
+    optimizer state are restored afterwards. Under a strategy the whole-graph step runs under it too (with
+    per-replica batch norm, one device's step is a different computation).
 
     Returns ``{"exact", "gradient_rel_error", "state_max_abs_diff", "worst_variable"}``.
     """
     batch = dict(batch)
     engine.build(batch)
     if examples is not None:
+        examples -= examples % engine.replicas.count  # the replicas share it equally
         batch = tf.nest.map_structure(lambda t: t[:examples], batch)
     network = engine.network
     variables = network.variables + list(engine.optimizer.variables)
@@ -33,7 +35,7 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
     _, ours = engine.gradients(batch)
     our_state = [v.numpy() for v in network.non_trainable_variables]
     restore()
-    theirs = _whole_gradients(network, batch)
+    theirs = _whole_gradients(network, batch, engine.replicas)
     their_state = [v.numpy() for v in network.non_trainable_variables]
     restore()
 
@@ -64,11 +66,14 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
             "worst_variable": worst_name}
 
 
-def _whole_gradients(network, batch):
-    @tf.function
+def _whole_gradients(network, batch, replicas):
+    """One tape over the whole network; under a strategy, on each replica's share (loss over the replicas, as
+    the engine's), the replicas' gradients summed."""
+
     def grads(batch):
         with tf.GradientTape() as tape:
             loss = network.loss(network.forward(batch, training=True), batch)
+            loss = loss / tf.cast(replicas.count, loss.dtype)
         return tape.gradient(loss, network.trainable_variables)
 
-    return grads(batch)
+    return [replicas.sum(g) for g in tf.function(replicas.wrap(grads))(replicas.split(batch))]
