@@ -42,7 +42,9 @@ def run(cfg: DictConfig, out: Path) -> float:
     # Another worker of a multi-worker run: it takes part in every step, save included (collective reads),
     # but writes into a scratch folder it deletes; it resumes from the run's own checkpoints.
     with distribute.scratch_folder() as scratch:
-        return fit(cfg, build(cfg, strategy), scratch, changes, restore_from=out / "checkpoints")
+        value = fit(cfg, build(cfg, strategy), scratch, changes, restore_from=out / "checkpoints")
+    distribute.remove_worker_folder(out)  # Hydra's log of this worker; kept when the run fails
+    return value
 
 
 def _resumed(cfg: DictConfig):

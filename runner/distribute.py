@@ -206,6 +206,13 @@ def scratch_folder():
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def remove_worker_folder(out: Path) -> None:
+    """Remove a non-chief worker's run folder if it holds only what Hydra wrote there (its log)."""
+    out = Path(out)
+    if out.is_dir() and all(p.name.endswith(".log") for p in out.iterdir()):
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def replicas(strategy) -> int:
     """Replicas that share each global batch (1 without a strategy)."""
     return 1 if strategy is None else strategy.num_replicas_in_sync

@@ -220,6 +220,9 @@ class Engine(Trainer):
         return [grads[i] for i in idx], idx
 
     def _apply_gradients(self, grads, idx):
+        if self.replicas.distributed:
+            # Function arguments carry no device; the all-reduce places by its inputs' devices (each replica's).
+            grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
         self.optimizer.apply_gradients(zip(grads, [self._trainable[i] for i in idx]))
 
     def flops(self) -> list[dict]:
