@@ -114,7 +114,9 @@ class Engine(Trainer):
         stats = {"loss": self.replicas.mean(loss), "forward_runs": self._read_counters(), "peak_bytes": peaks,
                  "step_peak_bytes": max(device_peaks.values()), "device_peak_bytes": device_peaks}
         if self.plan is not None and not self.replans:
-            self._replan_if_over(stats["step_peak_bytes"])
+            # The plan is per replica; replicas on logical CPU devices share one allocator (read as their total).
+            sharing = max(1, len(self.replicas.devices()) // len(self.meter.devices))
+            self._replan_if_over(stats["step_peak_bytes"] // sharing)
         return stats
 
     def _gradients(self, batch):

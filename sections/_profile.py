@@ -68,12 +68,21 @@ def _block_functions(block, batch):
             with keras.StatelessScope(state_mapping=list(zip(state, snapshot))):
                 out = block(h, batch, training=True)
         ys = float_leaves(out)
-        variables = list(block.layer.trainable_variables)
+        variables = [_first_component(v) for v in block.layer.trainable_variables]
         if ys and (xs or variables):
             return tape.gradient(ys, xs + variables, output_gradients=[tf.ones_like(y) for y in ys])
         return []
 
     return RelaxedFunction(forward, batch_args=(0,)), RelaxedFunction(train, batch_args=(0,))
+
+
+def _first_component(variable):
+    """Under a strategy (the probe runs in cross-replica context, reading the first replica's copies), the
+    first replica's copy of a mirrored variable: the one a gradient reaches."""
+    value = getattr(variable, "value", variable)
+    if isinstance(value, tf.distribute.DistributedValues):
+        return tf.distribute.get_strategy().experimental_local_results(value)[0]
+    return variable
 
 
 def probe_slice(network, batch, probe_batch: int = 64) -> tuple[dict, int]:

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 import keras
 
-from sections import Engine, WholeGraph, Network
+from sections import Engine, Network, RecomputeGrad, WholeGraph
 from sections._replicas import DistributeError
 from engine_nets import hard_network, loss_fn, make_batch
 
@@ -162,3 +162,18 @@ def test_store_across_synchronized_batch_norm_is_refused_in_one_line():
     _, engine = trained(Engine, lambda: dense_network(sync_bn=True), st, data, sections=["l3"], policy="store")
     with pytest.raises(ValueError, match=r"^section_0: policy 'store' cannot keep a tape across a cross-replica op"):
         engine.train_step(data[0])
+
+
+def test_recompute_grad_and_the_planner_run_under_a_strategy():
+    st, data = strategy(), batches(2)
+    a, rg = trained(RecomputeGrad, dense_network, st, data, sections=3)
+    b, whole = trained(WholeGraph, dense_network, st, data)
+    for va, vb in zip(a.variables, b.variables):
+        vb.assign(va)
+    got, want = rg.train_step(data[0]), whole.train_step(data[0])
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    alone = RecomputeGrad(dense_network(), keras.optimizers.Adam(1e-2), sections=3).train_step(data[0])
+    assert got["forward_runs"] == alone["forward_runs"]  # counted per replica: what one device counts
+    _, auto = trained(Engine, dense_network, st, data, sections="auto", memory_budget="64MiB")
+    assert auto.sections[0].input_specs.shape[0] == 8  # planned for one replica's share of the batch of 16
+    assert np.isfinite(auto.train_step(data[1])["loss"])
