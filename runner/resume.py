@@ -68,6 +68,9 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
     changes = differences(base, merged)
     refused = [k for k in changes if k.startswith(FIXED) and not k.startswith(FREE_IN_FIXED)]
     refused += [k for k in changes if _changes_slots(k, *changes[k])]
+    # another model/data/optimizer option differs in most keys: its `_target_` says it in one item
+    swapped = [k.rsplit(".", 1)[0] + "." for k in refused if k.endswith("._target_")]
+    refused = [k for k in refused if k.endswith("._target_") or not k.startswith(tuple(swapped))]
     if refused:
         shown = ", ".join(f"{k} ({show(changes[k][0])} -> {show(changes[k][1])})" for k in refused)
         raise ConfigError("resume", cfg.resume, f"cannot change {shown} on resume: the checkpoint holds state "
