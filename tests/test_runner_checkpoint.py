@@ -129,3 +129,24 @@ def test_a_checkpoint_from_before_seed_states_still_resumes(tmp_path, caplog):
     assert "predates checkpointed seed-generator states" in caplog.text
     for a, b in zip(saved, _values(engine.network.trainable_variables)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_resume_runs_the_learning_rate_config_yaml_records(tmp_path, caplog):
+    """An earlier resume changed the rate and was killed before saving: config.yaml has the new rate, the
+    checkpoint the old one. The config's value is applied, and said so once."""
+    from runner.resume import apply_optimizer_changes
+
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")  # Adam 1e-2
+    engine.train_step(next(batches))
+    ckpt.save(1)
+    ckpt.restore()
+    with caplog.at_level(logging.INFO, logger="runner"):
+        apply_optimizer_changes(engine.optimizer, {}, {"learning_rate": 5e-3})
+    assert float(engine.optimizer.learning_rate) == pytest.approx(5e-3)
+    assert "optimizer.learning_rate 0.01 in the checkpoint -> 0.005 as config.yaml records" in caplog.text
+    ckpt.restore()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="runner"):  # a change on this command line: one line
+        apply_optimizer_changes(engine.optimizer, {"optimizer.learning_rate": (1e-2, 2e-3)}, {"learning_rate": 2e-3})
+    assert float(engine.optimizer.learning_rate) == pytest.approx(2e-3)
+    assert caplog.text.count("optimizer.learning_rate") == 1
