@@ -116,6 +116,27 @@ def test_a_failed_write_stops_in_one_line_keeping_the_folder(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def test_a_full_disk_stops_in_one_line_keeping_earlier_checkpoints(tmp_path, monkeypatch):
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")
+    ckpt.save(1)
+    temp = tmp_path / "checkpoints" / "ckpt-2_temp"
+
+    def full_disk(**kwargs):  # what TensorFlow raised when a 4 MiB tmpfs filled up mid-save
+        temp.mkdir()
+        raise tf.errors.ResourceExhaustedError(None, None, (
+            "{{function_node __wrapped__SaveV2_dtypes_24_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
+            f"{temp}/part-00000-of-00001.data-00000-of-00001.tempstate1; No space left on device [Op:SaveV2]"))
+
+    monkeypatch.setattr(ckpt.manager, "save", full_disk)
+    with pytest.raises(CheckpointWriteError) as err:
+        ckpt.save(2)
+    message = str(err.value)
+    assert "could not write the step-2 checkpoint" in message and "No space left on device;" in message
+    assert "{{" not in message and "[Op:" not in message and "\n" not in message
+    assert message.endswith(f"newest: {tmp_path / 'checkpoints' / 'ckpt-1'})")
+    assert not temp.exists() and (tmp_path / "checkpoints" / "ckpt-1.index").is_file()
+
+
 def test_a_checkpoint_from_before_seed_states_still_resumes(tmp_path, caplog):
     engine, batches, ckpt = _setup(tmp_path / "checkpoints")
     engine.train_step(next(batches))
