@@ -88,6 +88,8 @@ BAD = [
     (["optimizer.learning_rate=inf"], "optimizer.learning_rate=inf: must be a finite number"),
     (["optimizer.learning_rate=nan"], "optimizer.learning_rate=nan: must be a finite number"),
     (["optimizer=sgd", "optimizer.momentum=abc"], "optimizer.momentum=abc: must be a number"),
+    (["optimizer.beta_1=2"], "optimizer.beta_1=2.0: must be a number from 0 to below 1"),
+    (["optimizer=rmsprop", "optimizer.epsilon=0"], "optimizer.epsilon=0.0: must be a positive number"),
     (["train.seed=-1"], "train.seed=-1: must be an integer from 0 to 4294967295"),
     (["train.profile_steps=[3,1]"], "train.profile_steps=[3,1]: must be [first, last]"),
     (["sections=[a"], "sections=[a: not valid override syntax"),
