@@ -47,6 +47,25 @@ def test_resume_restores_seed_generator_states_and_weights(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("model", ["mlp-dropout", "attention"])
+def test_a_restored_run_repeats_the_random_draws_of_its_next_step(tmp_path, model):
+    """Dropout masks and the attention's Bernoulli sample come from seed-generator states in the checkpoint."""
+    from models import build_attention
+
+    keras.utils.set_random_seed(0)
+    data = synthetic(train_size=64, test_size=16)
+    network = (build_mlp(hidden=[8], dropout=0.5, **data.model_args) if model == "mlp-dropout"
+               else build_attention(filters=[4, 4], hidden=8, **data.model_args))
+    engine = Engine(network, optimizer=keras.optimizers.Adam(1e-2), sections=2)
+    batches = iter(data.train_batches(16, 0))
+    ckpt = Checkpoints(tmp_path / "checkpoints", engine, batches, 3)
+    engine.train_step(next(batches))
+    ckpt.save(1)
+    expected = [float(engine.train_step(next(batches))["loss"]) for _ in range(2)]
+    ckpt.restore()
+    assert [float(engine.train_step(next(batches))["loss"]) for _ in range(2)] == expected
+
+
 def test_nonfinite_state_is_never_saved(tmp_path, caplog):
     engine, batches, ckpt = _setup(tmp_path / "checkpoints")
     assert ckpt.save(1).endswith("ckpt-1")
