@@ -17,6 +17,7 @@ from runner.errors import ConfigError, RunnerError
 
 log = logging.getLogger("runner")
 _NUMBERED = re.compile(r"^ckpt-(\d+)\.index$")
+_OP_NOISE = re.compile(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]")
 
 
 class CheckpointWriteError(RunnerError):
@@ -155,5 +156,7 @@ def _parses(state: Path) -> bool:
 
 
 def _first_line(err: BaseException) -> str:
+    """The error's first line without TensorFlow's `{{function_node ...}}` and `[Op:...]` wrapping."""
     text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0][:300]
+    text = _OP_NOISE.sub("", text.splitlines()[0]).strip()
+    return text[:300]

@@ -38,8 +38,17 @@ def _check_optimizer(optimizer: DictConfig) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"optimizer.{key}", value, "must be a finite number")
     lr = optimizer.get("learning_rate")
-    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not lr > 0:
+    if _number(lr) and not lr > 0:
         raise ConfigError("optimizer.learning_rate", lr, "must be a positive number")
+    for key in ("beta_1", "beta_2", "rho"):  # Keras accepts any value; outside [0, 1) the averages diverge
+        if _number(optimizer.get(key)) and not 0 <= optimizer[key] < 1:
+            raise ConfigError(f"optimizer.{key}", optimizer[key], "must be a number from 0 to below 1")
+    if _number(optimizer.get("epsilon")) and not optimizer.epsilon > 0:
+        raise ConfigError("optimizer.epsilon", optimizer.epsilon, "must be a positive number")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 TRAINERS = {"sections.Engine": "sectioned", "sections.WholeGraph": "whole", "sections.RecomputeGrad": "recompute_grad"}

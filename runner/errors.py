@@ -17,10 +17,11 @@ class ConfigError(RunnerError):
     """A config value that cannot work: names the key, the value and what is allowed."""
 
     exit_code = 2
+    NO_VALUE = object()  # for an override with no value (`~key`): the message is `key: allowed`
 
     def __init__(self, key: str, value, allowed: str):
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key}={_show(value)}: {allowed}")
+        super().__init__(f"{key}: {allowed}" if value is self.NO_VALUE else f"{key}={_show(value)}: {allowed}")
 
 
 class NonFiniteLoss(RunnerError):

@@ -19,7 +19,7 @@ def check_overrides(args: list[str], conf_dir: str) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    candidates = [a for a in args if "=" in a and not a.startswith("-")]
+    candidates = [a for a in args if ("=" in a or a.startswith("~")) and not a.startswith("-")]
     parser = OverridesParser.create()
     try:
         overrides = parser.parse_overrides(candidates)
@@ -41,6 +41,8 @@ def check_overrides(args: list[str], conf_dir: str) -> None:
     searchpath = any(o.key_or_group == "hydra.searchpath" for o in overrides)
     for o in overrides:
         key = o.key_or_group
+        if o.is_delete():
+            _check_delete(key)
         if o.is_add() or o.is_force_add() or o.is_delete() or o.package is not None or "/" in key:
             continue
         if key in groups and not searchpath:
@@ -73,6 +75,17 @@ def _check_composes(overrides, conf_dir: str) -> None:
 
 
 _FREE_GROUPS = ("model", "data", "optimizer")
+
+
+def _check_delete(key: str) -> None:
+    """`~key` of a key the schema requires (`~batch`, `~train.seed`, `~model`) would fail later, in many lines."""
+    head = key.split(".")[0]
+    if head in _FREE_GROUPS and "." in key:
+        return  # a builder argument: its default applies
+    hints = typing.get_type_hints(Config)
+    if head in hints and ("." in key or not dataclasses.is_dataclass(hints[head])):
+        raise ConfigError(f"~{key}", ConfigError.NO_VALUE, "cannot be deleted: the runner needs it; set it instead "
+                          f"({key}=<value>)")
 
 
 def _check_group_keys(overrides, conf_dir: str) -> None:

@@ -13,6 +13,8 @@ import logging
 import math
 from pathlib import Path
 
+import numpy as np
+
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
@@ -68,6 +70,9 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
     changes = differences(base, merged)
     refused = [k for k in changes if k.startswith(FIXED) and not k.startswith(FREE_IN_FIXED)]
     refused += [k for k in changes if _changes_slots(k, *changes[k])]
+    # another model/data/optimizer option differs in most keys: its `_target_` says it in one item
+    swapped = [k.rsplit(".", 1)[0] + "." for k in refused if k.endswith("._target_")]
+    refused = [k for k in refused if k.endswith("._target_") or not k.startswith(tuple(swapped))]
     if refused:
         shown = ", ".join(f"{k} ({show(changes[k][0])} -> {show(changes[k][1])})" for k in refused)
         raise ConfigError("resume", cfg.resume, f"cannot change {shown} on resume: the checkpoint holds state "
@@ -95,15 +100,23 @@ def optimizer_changes(changes: dict) -> dict:
     return {k.split(".", 1)[1]: v for k, v in changes.items() if k.startswith("optimizer.")}
 
 
-def apply_optimizer_changes(optimizer, changes: dict) -> None:
-    """After restoring: the checkpoint put back the saved learning rate; the new config's value wins.
+def apply_optimizer_changes(optimizer, changes: dict, config=None) -> None:
+    """After restoring: the checkpoint put back its own learning rate; the config's value wins, so that
+    `config.yaml` records what runs (also when an earlier resume changed it and was killed before saving).
 
     Other hyperparameters (betas, momentum, epsilon, weight decay, clipping) are plain attributes of the
     optimizer built from the new config, not checkpoint state, so they already apply."""
     for key, (before, after) in optimizer_changes(changes).items():
-        if key == "learning_rate" and isinstance(after, (int, float)):
-            optimizer.learning_rate = after
         log.info(f"resume: optimizer.{key} {show(before)} -> {show(after)} (applied from this step on)")
+    wanted = (config or {}).get("learning_rate", changes.get("optimizer.learning_rate", (None, None))[1])
+    if not isinstance(wanted, (int, float)) or isinstance(wanted, bool):
+        return  # a schedule, or nothing to apply
+    restored = float(np.asarray(optimizer.learning_rate))
+    if not np.isclose(restored, wanted, rtol=1e-6, atol=0):
+        if "optimizer.learning_rate" not in changes:
+            log.info(f"resume: optimizer.learning_rate {show(restored)} in the checkpoint -> {show(wanted)} "
+                     f"as config.yaml records (applied from this step on)")
+        optimizer.learning_rate = wanted
 
 
 def history_name(folder: Path) -> Path:

@@ -46,7 +46,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
         record.start(changes)
         if start:
             log.info(f"resumed from {restored} at step {start}")
-            apply_optimizer_changes(engine.optimizer, changes)
+            apply_optimizer_changes(engine.optimizer, changes, cfg.optimizer)
         exactness = verify_exact(engine, setup.probe) if train.verify_exact else {}
         if exactness:
             record.exactness(exactness)

@@ -210,6 +210,15 @@ def _fake_mnist(path, n_train=40, n_test=12):
     return path
 
 
+def test_mnist_negative_labels_are_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "mnist.npz", x_train=rng.integers(0, 256, (8, 28, 28), dtype=np.uint8),
+             y_train=np.arange(8) - 3, x_test=rng.integers(0, 256, (4, 28, 28), dtype=np.uint8),
+             y_test=np.arange(4) % 10)
+    with pytest.raises(ValueError, match="labels must be class numbers >= 0; y_train holds -3"):
+        data.mnist(path=str(tmp_path / "mnist.npz"))
+
+
 def test_mnist_reads_a_keras_format_npz(tmp_path):
     source = data.mnist(path=str(_fake_mnist(tmp_path / "mnist.npz")))
     assert (source.train_size, source.test_size) == (40, 12)

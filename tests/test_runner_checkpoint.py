@@ -47,6 +47,25 @@ def test_resume_restores_seed_generator_states_and_weights(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("model", ["mlp-dropout", "attention"])
+def test_a_restored_run_repeats_the_random_draws_of_its_next_step(tmp_path, model):
+    """Dropout masks and the attention's Bernoulli sample come from seed-generator states in the checkpoint."""
+    from models import build_attention
+
+    keras.utils.set_random_seed(0)
+    data = synthetic(train_size=64, test_size=16)
+    network = (build_mlp(hidden=[8], dropout=0.5, **data.model_args) if model == "mlp-dropout"
+               else build_attention(filters=[4, 4], hidden=8, **data.model_args))
+    engine = Engine(network, optimizer=keras.optimizers.Adam(1e-2), sections=2)
+    batches = iter(data.train_batches(16, 0))
+    ckpt = Checkpoints(tmp_path / "checkpoints", engine, batches, 3)
+    engine.train_step(next(batches))
+    ckpt.save(1)
+    expected = [float(engine.train_step(next(batches))["loss"]) for _ in range(2)]
+    ckpt.restore()
+    assert [float(engine.train_step(next(batches))["loss"]) for _ in range(2)] == expected
+
+
 def test_nonfinite_state_is_never_saved(tmp_path, caplog):
     engine, batches, ckpt = _setup(tmp_path / "checkpoints")
     assert ckpt.save(1).endswith("ckpt-1")
@@ -116,6 +135,27 @@ def test_a_failed_write_stops_in_one_line_keeping_the_folder(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def test_a_full_disk_stops_in_one_line_keeping_earlier_checkpoints(tmp_path, monkeypatch):
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")
+    ckpt.save(1)
+    temp = tmp_path / "checkpoints" / "ckpt-2_temp"
+
+    def full_disk(**kwargs):  # what TensorFlow raised when a 4 MiB tmpfs filled up mid-save
+        temp.mkdir()
+        raise tf.errors.ResourceExhaustedError(None, None, (
+            "{{function_node __wrapped__SaveV2_dtypes_24_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
+            f"{temp}/part-00000-of-00001.data-00000-of-00001.tempstate1; No space left on device [Op:SaveV2]"))
+
+    monkeypatch.setattr(ckpt.manager, "save", full_disk)
+    with pytest.raises(CheckpointWriteError) as err:
+        ckpt.save(2)
+    message = str(err.value)
+    assert "could not write the step-2 checkpoint" in message and "No space left on device;" in message
+    assert "{{" not in message and "[Op:" not in message and "\n" not in message
+    assert message.endswith(f"newest: {tmp_path / 'checkpoints' / 'ckpt-1'})")
+    assert not temp.exists() and (tmp_path / "checkpoints" / "ckpt-1.index").is_file()
+
+
 def test_a_checkpoint_from_before_seed_states_still_resumes(tmp_path, caplog):
     engine, batches, ckpt = _setup(tmp_path / "checkpoints")
     engine.train_step(next(batches))
@@ -129,3 +169,24 @@ def test_a_checkpoint_from_before_seed_states_still_resumes(tmp_path, caplog):
     assert "predates checkpointed seed-generator states" in caplog.text
     for a, b in zip(saved, _values(engine.network.trainable_variables)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_resume_runs_the_learning_rate_config_yaml_records(tmp_path, caplog):
+    """An earlier resume changed the rate and was killed before saving: config.yaml has the new rate, the
+    checkpoint the old one. The config's value is applied, and said so once."""
+    from runner.resume import apply_optimizer_changes
+
+    engine, batches, ckpt = _setup(tmp_path / "checkpoints")  # Adam 1e-2
+    engine.train_step(next(batches))
+    ckpt.save(1)
+    ckpt.restore()
+    with caplog.at_level(logging.INFO, logger="runner"):
+        apply_optimizer_changes(engine.optimizer, {}, {"learning_rate": 5e-3})
+    assert float(engine.optimizer.learning_rate) == pytest.approx(5e-3)
+    assert "optimizer.learning_rate 0.01 in the checkpoint -> 0.005 as config.yaml records" in caplog.text
+    ckpt.restore()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="runner"):  # a change on this command line: one line
+        apply_optimizer_changes(engine.optimizer, {"optimizer.learning_rate": (1e-2, 2e-3)}, {"learning_rate": 2e-3})
+    assert float(engine.optimizer.learning_rate) == pytest.approx(2e-3)
+    assert caplog.text.count("optimizer.learning_rate") == 1

@@ -88,6 +88,8 @@ BAD = [
     (["optimizer.learning_rate=inf"], "optimizer.learning_rate=inf: must be a finite number"),
     (["optimizer.learning_rate=nan"], "optimizer.learning_rate=nan: must be a finite number"),
     (["optimizer=sgd", "optimizer.momentum=abc"], "optimizer.momentum=abc: must be a number"),
+    (["optimizer.beta_1=2"], "optimizer.beta_1=2.0: must be a number from 0 to below 1"),
+    (["optimizer=rmsprop", "optimizer.epsilon=0"], "optimizer.epsilon=0.0: must be a positive number"),
     (["train.seed=-1"], "train.seed=-1: must be an integer from 0 to 4294967295"),
     (["train.profile_steps=[3,1]"], "train.profile_steps=[3,1]: must be [first, last]"),
     (["sections=[a"], "sections=[a: not valid override syntax"),
@@ -102,6 +104,7 @@ BAD = [
     (["model=mlp", "model.hiddn=[3]"], "model.hiddn=[3]: unknown key (did you mean 'hidden'?); model has: _target_, default_sections, hidden"),
     (["data.max_shif=1"], "data.max_shif=1: unknown key (did you mean 'max_shift'?); data has: _target_, test_fraction"),
     (["batch=0"], "batch=0: must be a positive integer"),
+    (["~batch"], "~batch: cannot be deleted: the runner needs it; set it instead (batch=<value>)"),
     (["batch=-5"], "batch=-5: must be a positive integer"),
     (["sections=0"], "sections=0: must be at least 1"),
     (["sections=[a,a]"], "sections=[a,a]: Section boundaries ['a', 'a'] name the same place twice"),
@@ -134,6 +137,22 @@ def test_bad_input_exits_with_one_line_naming_the_key(args, message, tmp_path):
     assert last.startswith("error: ") and message.format(tmp=tmp_path) in last, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == ["runner.log"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["~batch"], "~batch: cannot be deleted"), (["~model"], "~model: cannot be deleted"),
+    (["~train.seed"], "~train.seed: cannot be deleted"), (["~sections"], "~sections: cannot be deleted"),
+    (["~bench"], "Could not delete 'bench'"),
+])
+def test_deleting_a_needed_key_is_refused_before_composing(args, message):
+    """`~key` has no `=`; a required key deleted used to reach Hydra or the run and end in a traceback."""
+    from runner.errors import ConfigError
+    from runner.overrides import check_overrides
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_overrides(args, CONF)
+    for fine in (["~model.dropout"], ["~experiment"]):  # a builder argument's default, an optional group
+        check_overrides(fine, CONF)
 
 
 def test_full_error_env_shows_the_traceback(tmp_path):

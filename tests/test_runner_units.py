@@ -68,6 +68,14 @@ def test_resume_refuses_what_the_checkpoint_fixes(tmp_path, override, changes, r
     assert refused in str(err.value) and "\n" not in str(err.value)
 
 
+def test_resume_refusing_another_option_names_its_target_not_every_key(tmp_path):
+    folder, now = _saved_run(tmp_path, data={"_target_": "models.data.synthetic", "noise": 0.5}, batch=32)
+    with pytest.raises(ConfigError) as err:
+        resumed_config(now, ["data=synthetic", "batch=32"])
+    assert "cannot change batch (16 -> 32), data._target_ (models.data.digits -> models.data.synthetic) on" \
+        in str(err.value) and "noise" not in str(err.value)
+
+
 def test_resume_refuses_an_experiment(tmp_path):
     folder, now = _saved_run(tmp_path)
     with pytest.raises(ConfigError, match="experiment=.*give the keys to change"):

@@ -96,6 +96,8 @@ def _check_shapes(path: str, arrays: dict) -> None:
         if x.ndim not in (3, 4) or y.ndim != 1 or len(x) != len(y) or not np.issubdtype(y.dtype, np.integer):
             raise ValueError(f"{path!r}: the {split} split needs images [n, h, w(, c)] and n integer labels; got "
                              f"x_{split} {x.shape} and y_{split} {y.shape} {y.dtype}.")
+        if len(y) and y.min() < 0:
+            raise ValueError(f"{path!r}: labels must be class numbers >= 0; y_{split} holds {y.min()}.")
     train, test = arrays["x_train"].shape[1:], arrays["x_test"].shape[1:]
     if train != test:
         raise ValueError(f"{path!r}: train and test images differ in shape: x_train {arrays['x_train'].shape}, "
