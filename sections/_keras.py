@@ -172,8 +172,13 @@ class _Graph:
         last = max(ends, key=lambda i: (bin(self.anc[i]).count("1"), i)) if ends else n - 1
         chain = self.anc[last] | (1 << last)
         self.on_main = [on_main[i] and bool(chain >> i & 1) for i in range(n)]
-        self.main_mask = sum(1 << i for i in range(n) if self.on_main[i])
-        self.heads = [i for i in range(n) if on_main[i] and not self.on_main[i]]
+        # Nodes that only compute a Keras mask (Embedding(mask_zero=True)'s ``not_equal``, Masking's ``any``)
+        # read an earlier tensor and feed only ``mask=`` arguments: like heads, they run as soon as their
+        # inputs exist and never block a cut; the mask they make crosses a cut as a (boolean) border tensor.
+        self.masks = self._mask_nodes()
+        self.heads = [i for i in range(n) if on_main[i] and not self.on_main[i] and i not in self.masks]
+        self.main_mask = sum(1 << i for i in range(n) if self.on_main[i] and i not in self.masks)
+        self.side = sorted(set(self.heads) | self.masks)
         names = [self.operation(i).name for i in range(n)]
         self.names = names
         self.node_count = {nm: names.count(nm) for nm in names}
@@ -181,10 +186,30 @@ class _Graph:
     def before(self, i: int) -> int:
         """The nodes that run up to a cut after node ``i``: its ancestors, and heads whose inputs exist."""
         mask = self.anc[i] | (1 << i)
-        for j in self.heads:
-            if all(mask >> p & 1 for p in self.parents[j]):
+        for j in self.side:  # in execution order, so a chain of side nodes is taken whole
+            if not mask >> j & 1 and all(mask >> p & 1 for p in self.parents[j]):
                 mask |= 1 << j
         return mask
+
+    def _mask_nodes(self) -> set[int]:
+        """Nodes whose outputs are read only as ``mask=`` arguments, directly or through other such nodes."""
+        uses = {}  # tensor id -> [(consumer, read as a mask only)]
+        for j, node in enumerate(self.nodes):
+            kwargs = node.arguments.kwargs
+            as_mask = {id(x) for x in keras.tree.flatten(kwargs.get("mask"))}
+            other = {id(x) for x in keras.tree.flatten((node.arguments.args,
+                                                        {k: v for k, v in kwargs.items() if k != "mask"}))}
+            for t in as_mask | other:
+                uses.setdefault(t, []).append((j, t not in other))
+        masks = set()
+        for i in range(len(self.nodes) - 1, -1, -1):
+            outs = [id(x) for x in self.nodes[i].outputs]
+            if any(t in self.output_ids for t in outs):
+                continue
+            readers = [u for t in outs for u in uses.get(t, [])]
+            if readers and all(only or j in masks for j, only in readers):
+                masks.add(i)
+        return masks
 
     def operation(self, i: int):
         get = getattr(self.fn, "_get_operation_for_node", None)
@@ -212,6 +237,9 @@ class _Graph:
                 continue
             if i in self.heads:
                 reasons[name] = "it is on a side branch that only leads to a model output"
+                continue
+            if i in self.masks:
+                reasons[name] = "it computes a Keras mask, which runs beside the layers it masks"
                 continue
             if not self.on_main[i]:
                 reasons[name] = "it does not depend on the model's first input"
