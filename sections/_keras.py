@@ -23,7 +23,7 @@ import tensorflow as tf
 from . import rules
 from ._network import Network
 
-README_SECTION = 'the README section "Your own model"'
+README_SECTION = 'the README section "Your own model", README.md#your-own-model'
 
 
 class KerasNetwork(Network):
@@ -38,6 +38,7 @@ class KerasNetwork(Network):
         super().__init__(*args, **kwargs)
         self.model_name = model_name
         self.cut_points = list(cut_points)
+        self.names_hint = "net.boundaries lists them all"  # where a shortened list of names can be read whole
         self._layer_order = list(layer_order)
         self._reasons = dict(reasons)
 
@@ -52,22 +53,22 @@ class KerasNetwork(Network):
         return rules.resolve_boundaries(self.boundaries, names)
 
     def _why_not(self, name: str) -> str:
-        allowed = [n for n in self.boundaries]
+        allowed = list(self.boundaries)
+        listed = f"Allowed cut layers{name_list(allowed, self.names_hint)}."
         if name not in self._layer_order:
             close = difflib.get_close_matches(name, allowed, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             return (f"Unknown section boundary {name!r}: model {self.model_name!r} has no layer of that "
-                    f"name{hint}. Allowed cut layers: {allowed}.")
+                    f"name{hint}. {listed}")
         before, after = self._nearest(name)
         near = " and ".join(repr(n) for n in (before, after) if n) or "none"
         if name in self.cut_points:
             return (f"Section boundary {name!r}: a valid cut of model {self.model_name!r}, but merged into a "
                     f"larger block to keep the network at {len(self.blocks)} blocks; nearest allowed: {near} "
-                    f"(or pass max_blocks= or keep=[{name!r}] to Network.from_keras). Allowed cut layers: "
-                    f"{allowed}.")
+                    f"(keep=[{name!r}] keeps it; a larger max_blocks keeps more). {listed}")
         return (f"Section boundary {name!r}: model {self.model_name!r} cannot be cut at that layer "
                 f"({self._reasons.get(name, 'it is not on the chain of cut points')}); nearest allowed: "
-                f"{near}. Allowed cut layers: {allowed}.")
+                f"{near}. {listed}")
 
     def _nearest(self, name: str) -> tuple[str | None, str | None]:
         pos = self._layer_order.index(name)
@@ -266,7 +267,7 @@ class _Graph:
 
 
 def from_keras(model, loss, inputs: str = "image", fields=None, metrics=None, loss_fields=None,
-               max_blocks: int = 64, keep: Sequence[str] = ()) -> KerasNetwork:
+               max_blocks: int = 64, keep: Sequence[str] = (), names_hint: str | None = None) -> KerasNetwork:
     """A ``Network`` of blocks cut from a built Keras Functional or Sequential model.
 
     Args:
@@ -279,6 +280,8 @@ def from_keras(model, loss, inputs: str = "image", fields=None, metrics=None, lo
         max_blocks: at most this many blocks; cut points beyond that are merged (those with the
             smallest borders are kept, spread evenly along the model).
         keep: layer names that must stay block borders (so ``sections`` may name them).
+        names_hint: where the user can read a list of names whole, for errors that shorten it
+            (default: ``net.boundaries`` / ``KerasNetwork.cut_points``).
     """
     graph = _Graph(_checked(model))
     field_keys = _field_keys(graph.fn, inputs, fields)
@@ -286,7 +289,7 @@ def from_keras(model, loss, inputs: str = "image", fields=None, metrics=None, lo
     names = graph.names
     if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1:
         raise ValueError(f"max_blocks={max_blocks!r}: must be an int >= 1.")
-    kept = _choose_cuts(graph, cuts, max_blocks - 1, _keep_nodes(graph, cuts, reasons, keep))
+    kept = _choose_cuts(graph, cuts, max_blocks - 1, _keep_nodes(graph, cuts, reasons, keep, names_hint))
 
     segment_of = []
     before_masks = [graph.before(c) for c in kept]
@@ -311,12 +314,15 @@ def from_keras(model, loss, inputs: str = "image", fields=None, metrics=None, lo
             boundaries[names[kept[s - 1]]] = s
     if len(blocks) == 1:
         boundaries = {}
-    return KerasNetwork(
+    net = KerasNetwork(
         blocks, loss=loss, inputs=inputs, metrics=metrics, loss_fields=loss_fields,
         boundaries=boundaries or {blocks[0][0]: 0},
         model_name=model.name,
         cut_points=[names[c] for c in cuts], layer_order=names, reasons=reasons,
     )
+    if names_hint:
+        net.names_hint = names_hint
+    return net
 
 
 def _checked(model):
@@ -366,7 +372,7 @@ def _field_keys(fn, inputs: str, fields) -> dict[int, str]:
     return {id(fn.inputs[0]): inputs, **{id(x): k for x, k in zip(others, keys)}}
 
 
-def _keep_nodes(graph: _Graph, cuts: list[int], reasons: dict, keep: Sequence[str]) -> list[int]:
+def _keep_nodes(graph: _Graph, cuts: list[int], reasons: dict, keep: Sequence[str], hint: str | None) -> list[int]:
     if isinstance(keep, str):
         keep = [keep]
     by_name = {graph.names[c]: c for c in cuts}
@@ -375,7 +381,7 @@ def _keep_nodes(graph: _Graph, cuts: list[int], reasons: dict, keep: Sequence[st
         if name not in by_name:
             why = reasons.get(name, "no layer has that name")
             raise ValueError(f"keep={list(keep)}: cannot cut model {graph.fn.name!r} at {name!r} ({why}); "
-                             f"cut points: {list(by_name)}.")
+                             f"cut points{name_list(list(by_name), hint or 'KerasNetwork.cut_points lists them all')}.")
         out.append(by_name[name])
     return out
 
@@ -399,6 +405,15 @@ def _choose_cuts(graph: _Graph, cuts: list[int], budget: int, forced: list[int])
             chosen.update(group[int((k + 0.5) * step)] for k in range(room))
             room = 0
     return [c for c in cuts if c in chosen]
+
+
+def name_list(names: Sequence[str], hint: str, head: int = 5, tail: int = 5) -> str:
+    """``": ['a', 'b']"`` for a short list; for a long one the first and last few, the count and ``hint``."""
+    names = list(names)
+    if len(names) <= head + tail + 2:
+        return f": {names}"
+    shown = ", ".join(repr(n) for n in names[:head]) + ", ..., " + ", ".join(repr(n) for n in names[-tail:])
+    return f" ({len(names)}; {hint}): [{shown}]"
 
 
 def _unique(items) -> list:

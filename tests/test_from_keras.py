@@ -315,6 +315,19 @@ def test_unknown_layer_name_lists_the_allowed_cuts():
         Engine(net, optimizer(), sections=["ad"])
 
 
+def test_a_long_list_of_allowed_cuts_is_shortened_and_says_where_to_read_it_all():
+    net = Network.from_keras(skip_everywhere(), xent)
+    names = list(net.boundaries)
+    assert len(names) == 15
+    with pytest.raises(ValueError) as err:
+        net.boundary_starts(["nope"])
+    shown = ", ".join(repr(n) for n in names[:5]) + ", ..., " + ", ".join(repr(n) for n in names[-5:])
+    assert f"Allowed cut layers (15; net.boundaries lists them all): [{shown}]." in str(err.value)
+    hinted = Network.from_keras(skip_everywhere(), xent, names_hint="see --help")
+    with pytest.raises(ValueError, match=r"\(15; see --help\)"):
+        hinted.boundary_starts(["nope"])
+
+
 def test_cut_inside_a_branch_names_the_nearest_allowed_layers():
     net = Network.from_keras(residual(), xent)
     with pytest.raises(ValueError, match=r"'branch_a'.*cannot be cut.*inside a branch: layer 'shortcut' runs "
