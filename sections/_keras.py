@@ -21,6 +21,7 @@ import keras
 import tensorflow as tf
 
 from . import rules
+from .rules import name_list
 from ._network import Network
 
 README_SECTION = 'the README section "Your own model", README.md#your-own-model'
@@ -405,15 +406,6 @@ def _choose_cuts(graph: _Graph, cuts: list[int], budget: int, forced: list[int])
             chosen.update(group[int((k + 0.5) * step)] for k in range(room))
             room = 0
     return [c for c in cuts if c in chosen]
-
-
-def name_list(names: Sequence[str], hint: str, head: int = 5, tail: int = 5) -> str:
-    """``": ['a', 'b']"`` for a short list; for a long one the first and last few, the count and ``hint``."""
-    names = list(names)
-    if len(names) <= head + tail + 2:
-        return f": {names}"
-    shown = ", ".join(repr(n) for n in names[:head]) + ", ..., " + ", ".join(repr(n) for n in names[-tail:])
-    return f" ({len(names)}; {hint}): [{shown}]"
 
 
 def _unique(items) -> list:
