@@ -22,6 +22,10 @@ from ._util import check_image_shape, reject_data_args
 from .losses import classification_accuracy, classification_loss
 
 
+# Where a runner user reads every cut name of the chosen model (runner/help.py adds them to --help).
+NAMES_HINT = "the same command with --help lists them all"
+
+
 def application_names() -> list[str]:
     """Every model constructor ``keras.applications`` offers (``ResNet50V2``, ``MobileNetV2``, ...)."""
     return sorted(n for n in dir(keras.applications) if n[:1].isupper() and callable(getattr(keras.applications, n)))
@@ -126,7 +130,7 @@ def _adapt(x, data_shape, shape):
 def _network(model, logits: bool, max_blocks: int, keep) -> Network:
     loss = classification_loss("label") if logits else _probability_loss("label")
     return Network.from_keras(model, loss, inputs="image", metrics={"accuracy": classification_accuracy("label")},
-                              loss_fields=("label",), max_blocks=max_blocks, keep=keep)
+                              loss_fields=("label",), max_blocks=max_blocks, keep=keep, names_hint=NAMES_HINT)
 
 
 def _probability_loss(label_key: str):

@@ -7,6 +7,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from runner.app import CONF, main  # noqa: E402
 from runner.errors import ConfigError, full_errors  # noqa: E402
+from runner.help import cut_names_section, wants_help  # noqa: E402
 from runner.overrides import check_overrides  # noqa: E402
 
 if __name__ == "__main__":
@@ -17,4 +18,12 @@ if __name__ == "__main__":
             raise
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
+    if wants_help(sys.argv[1:]):
+        try:
+            main()  # Hydra prints its help and exits
+        except SystemExit as done:
+            section = cut_names_section(sys.argv[1:], CONF)
+            if section:
+                print(section, flush=True)
+            raise done
     main()

@@ -8,6 +8,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
+from sections import rules
 
 
 @dataclass
@@ -65,8 +66,9 @@ def check_boundaries(sections, network) -> None:
     block_names = network.block_names
     groups = list(dict.fromkeys(name.split("/", 1)[0] for name in block_names))
     if isinstance(sections, int) and sections > len(block_names):
+        names = rules.name_list(groups, getattr(network, "names_hint", "see the model"))
         raise ConfigError("sections", sections, f"this model has {len(block_names)} blocks; allowed: 1 to "
-                          f"{len(block_names)}, or boundary names from {', '.join(groups)}")
+                          f"{len(block_names)}, or boundary names{names}")
     if isinstance(sections, list):
         unknown = [s for s in sections if s not in network.boundaries]
         if unknown and hasattr(network, "cut_points"):  # cut from a Keras model: its message says why, and what is near

@@ -114,6 +114,9 @@ class Config:
 
 def register() -> None:
     """Put the schema in Hydra's ConfigStore (idempotent)."""
+    from runner.direction import register as register_direction
+
+    register_direction()  # ${metric_direction:}, for sweeper configs
     cs = ConfigStore.instance()
     cs.store(name="runner_schema", node=Config)
     for name, node in [("adam", AdamConfig), ("adamw", AdamWConfig), ("sgd", SGDConfig), ("rmsprop", RMSpropConfig),

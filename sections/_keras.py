@@ -21,9 +21,10 @@ import keras
 import tensorflow as tf
 
 from . import rules
+from .rules import name_list
 from ._network import Network
 
-README_SECTION = 'the README section "Your own model"'
+README_SECTION = 'the README section "Your own model", README.md#your-own-model'
 
 
 class KerasNetwork(Network):
@@ -38,6 +39,7 @@ class KerasNetwork(Network):
         super().__init__(*args, **kwargs)
         self.model_name = model_name
         self.cut_points = list(cut_points)
+        self.names_hint = "net.boundaries lists them all"  # where a shortened list of names can be read whole
         self._layer_order = list(layer_order)
         self._reasons = dict(reasons)
 
@@ -52,22 +54,22 @@ class KerasNetwork(Network):
         return rules.resolve_boundaries(self.boundaries, names)
 
     def _why_not(self, name: str) -> str:
-        allowed = [n for n in self.boundaries]
+        allowed = list(self.boundaries)
+        listed = f"Allowed cut layers{name_list(allowed, self.names_hint)}."
         if name not in self._layer_order:
             close = difflib.get_close_matches(name, allowed, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             return (f"Unknown section boundary {name!r}: model {self.model_name!r} has no layer of that "
-                    f"name{hint}. Allowed cut layers: {allowed}.")
+                    f"name{hint}. {listed}")
         before, after = self._nearest(name)
         near = " and ".join(repr(n) for n in (before, after) if n) or "none"
         if name in self.cut_points:
             return (f"Section boundary {name!r}: a valid cut of model {self.model_name!r}, but merged into a "
                     f"larger block to keep the network at {len(self.blocks)} blocks; nearest allowed: {near} "
-                    f"(or pass max_blocks= or keep=[{name!r}] to Network.from_keras). Allowed cut layers: "
-                    f"{allowed}.")
+                    f"(keep=[{name!r}] keeps it; a larger max_blocks keeps more). {listed}")
         return (f"Section boundary {name!r}: model {self.model_name!r} cannot be cut at that layer "
                 f"({self._reasons.get(name, 'it is not on the chain of cut points')}); nearest allowed: "
-                f"{near}. Allowed cut layers: {allowed}.")
+                f"{near}. {listed}")
 
     def _nearest(self, name: str) -> tuple[str | None, str | None]:
         pos = self._layer_order.index(name)
@@ -172,8 +174,13 @@ class _Graph:
         last = max(ends, key=lambda i: (bin(self.anc[i]).count("1"), i)) if ends else n - 1
         chain = self.anc[last] | (1 << last)
         self.on_main = [on_main[i] and bool(chain >> i & 1) for i in range(n)]
-        self.main_mask = sum(1 << i for i in range(n) if self.on_main[i])
-        self.heads = [i for i in range(n) if on_main[i] and not self.on_main[i]]
+        # Nodes that only compute a Keras mask (Embedding(mask_zero=True)'s ``not_equal``, Masking's ``any``)
+        # read an earlier tensor and feed only ``mask=`` arguments: like heads, they run as soon as their
+        # inputs exist and never block a cut; the mask they make crosses a cut as a (boolean) border tensor.
+        self.masks = self._mask_nodes()
+        self.heads = [i for i in range(n) if on_main[i] and not self.on_main[i] and i not in self.masks]
+        self.main_mask = sum(1 << i for i in range(n) if self.on_main[i] and i not in self.masks)
+        self.side = sorted(set(self.heads) | self.masks)
         names = [self.operation(i).name for i in range(n)]
         self.names = names
         self.node_count = {nm: names.count(nm) for nm in names}
@@ -181,10 +188,30 @@ class _Graph:
     def before(self, i: int) -> int:
         """The nodes that run up to a cut after node ``i``: its ancestors, and heads whose inputs exist."""
         mask = self.anc[i] | (1 << i)
-        for j in self.heads:
-            if all(mask >> p & 1 for p in self.parents[j]):
+        for j in self.side:  # in execution order, so a chain of side nodes is taken whole
+            if not mask >> j & 1 and all(mask >> p & 1 for p in self.parents[j]):
                 mask |= 1 << j
         return mask
+
+    def _mask_nodes(self) -> set[int]:
+        """Nodes whose outputs are read only as ``mask=`` arguments, directly or through other such nodes."""
+        uses = {}  # tensor id -> [(consumer, read as a mask only)]
+        for j, node in enumerate(self.nodes):
+            kwargs = node.arguments.kwargs
+            as_mask = {id(x) for x in keras.tree.flatten(kwargs.get("mask"))}
+            other = {id(x) for x in keras.tree.flatten((node.arguments.args,
+                                                        {k: v for k, v in kwargs.items() if k != "mask"}))}
+            for t in as_mask | other:
+                uses.setdefault(t, []).append((j, t not in other))
+        masks = set()
+        for i in range(len(self.nodes) - 1, -1, -1):
+            outs = [id(x) for x in self.nodes[i].outputs]
+            if any(t in self.output_ids for t in outs):
+                continue
+            readers = [u for t in outs for u in uses.get(t, [])]
+            if readers and all(only or j in masks for j, only in readers):
+                masks.add(i)
+        return masks
 
     def operation(self, i: int):
         get = getattr(self.fn, "_get_operation_for_node", None)
@@ -213,6 +240,9 @@ class _Graph:
             if i in self.heads:
                 reasons[name] = "it is on a side branch that only leads to a model output"
                 continue
+            if i in self.masks:
+                reasons[name] = "it computes a Keras mask, which runs beside the layers it masks"
+                continue
             if not self.on_main[i]:
                 reasons[name] = "it does not depend on the model's first input"
                 continue
@@ -238,7 +268,7 @@ class _Graph:
 
 
 def from_keras(model, loss, inputs: str = "image", fields=None, metrics=None, loss_fields=None,
-               max_blocks: int = 64, keep: Sequence[str] = ()) -> KerasNetwork:
+               max_blocks: int = 64, keep: Sequence[str] = (), names_hint: str | None = None) -> KerasNetwork:
     """A ``Network`` of blocks cut from a built Keras Functional or Sequential model.
 
     Args:
@@ -251,6 +281,8 @@ def from_keras(model, loss, inputs: str = "image", fields=None, metrics=None, lo
         max_blocks: at most this many blocks; cut points beyond that are merged (those with the
             smallest borders are kept, spread evenly along the model).
         keep: layer names that must stay block borders (so ``sections`` may name them).
+        names_hint: where the user can read a list of names whole, for errors that shorten it
+            (default: ``net.boundaries`` / ``KerasNetwork.cut_points``).
     """
     graph = _Graph(_checked(model))
     field_keys = _field_keys(graph.fn, inputs, fields)
@@ -258,7 +290,7 @@ def from_keras(model, loss, inputs: str = "image", fields=None, metrics=None, lo
     names = graph.names
     if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1:
         raise ValueError(f"max_blocks={max_blocks!r}: must be an int >= 1.")
-    kept = _choose_cuts(graph, cuts, max_blocks - 1, _keep_nodes(graph, cuts, reasons, keep))
+    kept = _choose_cuts(graph, cuts, max_blocks - 1, _keep_nodes(graph, cuts, reasons, keep, names_hint))
 
     segment_of = []
     before_masks = [graph.before(c) for c in kept]
@@ -283,12 +315,15 @@ def from_keras(model, loss, inputs: str = "image", fields=None, metrics=None, lo
             boundaries[names[kept[s - 1]]] = s
     if len(blocks) == 1:
         boundaries = {}
-    return KerasNetwork(
+    net = KerasNetwork(
         blocks, loss=loss, inputs=inputs, metrics=metrics, loss_fields=loss_fields,
         boundaries=boundaries or {blocks[0][0]: 0},
         model_name=model.name,
         cut_points=[names[c] for c in cuts], layer_order=names, reasons=reasons,
     )
+    if names_hint:
+        net.names_hint = names_hint
+    return net
 
 
 def _checked(model):
@@ -338,7 +373,7 @@ def _field_keys(fn, inputs: str, fields) -> dict[int, str]:
     return {id(fn.inputs[0]): inputs, **{id(x): k for x, k in zip(others, keys)}}
 
 
-def _keep_nodes(graph: _Graph, cuts: list[int], reasons: dict, keep: Sequence[str]) -> list[int]:
+def _keep_nodes(graph: _Graph, cuts: list[int], reasons: dict, keep: Sequence[str], hint: str | None) -> list[int]:
     if isinstance(keep, str):
         keep = [keep]
     by_name = {graph.names[c]: c for c in cuts}
@@ -347,7 +382,7 @@ def _keep_nodes(graph: _Graph, cuts: list[int], reasons: dict, keep: Sequence[st
         if name not in by_name:
             why = reasons.get(name, "no layer has that name")
             raise ValueError(f"keep={list(keep)}: cannot cut model {graph.fn.name!r} at {name!r} ({why}); "
-                             f"cut points: {list(by_name)}.")
+                             f"cut points{name_list(list(by_name), hint or 'KerasNetwork.cut_points lists them all')}.")
         out.append(by_name[name])
     return out
 

@@ -107,8 +107,17 @@ def resolve_boundaries(boundaries: Mapping[str, int], names: Sequence[str]) -> l
 
 def check_section_count(sections: int, num_blocks: int, block_names: Sequence[str]) -> None:
     if sections > num_blocks:
-        raise ValueError(f"sections={sections}: more sections than blocks; this network has {num_blocks} blocks "
-                         f"({list(block_names)}).")
+        raise ValueError(f"sections={sections}: more sections than blocks; this network has {num_blocks} blocks"
+                         f"{name_list(block_names, 'network.block_names lists them all')}.")
+
+
+def name_list(names: Sequence[str], hint: str, head: int = 5, tail: int = 5) -> str:
+    """``": ['a', 'b']"`` for a short list; for a long one the first and last few, the count and ``hint``."""
+    names = list(names)
+    if len(names) <= head + tail + 2:
+        return f": {names}"
+    shown = ", ".join(repr(n) for n in names[:head]) + ", ..., " + ", ".join(repr(n) for n in names[-tail:])
+    return f" ({len(names)}; {hint}): [{shown}]"
 
 
 def policies_for(policy, num_sections: int) -> list:

@@ -232,6 +232,62 @@ def test_trained_weights_are_the_models_own_and_save(tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+def masked():
+    """Embedding(mask_zero=True): the GRU and the pooling read the mask, which crosses every cut before them."""
+    L = keras.layers
+    x = keras.Input((6,), dtype="int32", name="tokens")
+    h = L.Embedding(10, 8, mask_zero=True, name="emb")(x)
+    h = L.Dense(8, activation="relu", name="dense")(h)
+    h = L.LayerNormalization(name="norm")(h)
+    h = L.Dropout(0.2, name="drop")(h)
+    h = L.GRU(8, return_sequences=True, name="gru")(h)
+    h = L.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model(x, L.Dense(3, activation="softmax", name="predictions")(h), name="masked")
+
+
+def token_batch():
+    tokens = np.array([[3, 1, 4, 1, 5, 9], [2, 6, 5, 0, 0, 0], [5, 3, 0, 0, 0, 0], [8, 9, 7, 9, 3, 0]])
+    return {"tokens": tf.constant(tokens, tf.int32), "label": tf.constant([0, 1, 2, 1], tf.int32)}
+
+
+def test_masking_layers_see_the_same_mask_across_cuts():
+    batch = token_batch()
+    model = masked()
+    # The mask matters here: without it the GRU and the pooling read the padding.
+    h = model.get_layer("drop")(model.get_layer("norm")(model.get_layer("dense")(model.get_layer("emb")(
+        batch["tokens"]))))
+    unmasked = model.get_layer("predictions")(model.get_layer("pool")(model.get_layer("gru")(tf.identity(h))))
+    assert not np.allclose(unmasked.numpy(), model(batch["tokens"]).numpy(), atol=1e-4)
+
+    net = Network.from_keras(model, xent, inputs="tokens")
+    assert net.cut_points == ["emb", "dense", "norm", "drop", "gru", "pool"]  # the mask op is not a cut
+    for sections in (["emb", "gru"], 3):
+        engine = check_exact(masked, sections, batch=batch, inputs=("tokens",))
+        for s in engine.sections[1:]:  # every border before the pooling carries the boolean mask too
+            expected = ["float32"] if s.block_names[0] == "predictions" else ["bool", "float32"]
+            assert sorted(spec.dtype.name for spec in tf.nest.flatten(s.input_specs)) == expected, s
+
+
+def masking_layer():
+    """keras.layers.Masking: its mask is two ops (not_equal, then any) that run beside the dense layers."""
+    L = keras.layers
+    x = keras.Input((5, 4), name="series")
+    h = L.Masking(0.0, name="masking")(x)
+    h = L.Dense(8, activation="relu", name="dense_0")(h)
+    h = L.Dense(8, activation="tanh", name="dense_1")(h)
+    h = L.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model(x, L.Dense(3, activation="softmax", name="predictions")(h), name="masking_layer")
+
+
+def test_masking_layer_mask_crosses_cuts():
+    series = np.random.default_rng(4).normal(size=(BATCH, 5, 4))
+    series[1, 3:] = series[2, 1:] = 0.0
+    batch = {"series": tf.constant(series, tf.float32), "label": tf.constant([0, 1, 2, 1], tf.int32)}
+    engine = check_exact(masking_layer, ["masking", "dense_0", "dense_1"], batch=batch, inputs=("series",))
+    assert [sorted(spec.dtype.name for spec in tf.nest.flatten(s.input_specs)) for s in engine.sections[1:]] == [
+        ["bool", "float32"]] * 3
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -257,6 +313,19 @@ def test_unknown_layer_name_lists_the_allowed_cuts():
     with pytest.raises(ValueError, match=r"'ad'.*no layer of that name.*did you mean 'add'.*\['stem', 'add', "
                                          r"'pool'\]"):
         Engine(net, optimizer(), sections=["ad"])
+
+
+def test_a_long_list_of_allowed_cuts_is_shortened_and_says_where_to_read_it_all():
+    net = Network.from_keras(skip_everywhere(), xent)
+    names = list(net.boundaries)
+    assert len(names) == 15
+    with pytest.raises(ValueError) as err:
+        net.boundary_starts(["nope"])
+    shown = ", ".join(repr(n) for n in names[:5]) + ", ..., " + ", ".join(repr(n) for n in names[-5:])
+    assert f"Allowed cut layers (15; net.boundaries lists them all): [{shown}]." in str(err.value)
+    hinted = Network.from_keras(skip_everywhere(), xent, names_hint="see --help")
+    with pytest.raises(ValueError, match=r"\(15; see --help\)"):
+        hinted.boundary_starts(["nope"])
 
 
 def test_cut_inside_a_branch_names_the_nearest_allowed_layers():

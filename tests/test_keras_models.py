@@ -118,9 +118,9 @@ def test_saved_file_bad_input(tmp_path, kwargs, message):
         build_keras_file(**args)
 
 
-def run(*args, timeout=300):
+def run(*args, timeout=300, env=None):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HYDRA_FULL_ERROR": "",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     return subprocess.run([sys.executable, "-m", "runner", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -146,10 +146,55 @@ def test_runner_names_the_nearest_cuts_for_an_impossible_one(tmp_path):
     assert len(lines) == 1 and "'nope'" in lines[0] and "Allowed cut layers: ['conv', 'bn'" in lines[0], proc.stderr
 
 
+def test_help_lists_the_cut_names_of_the_chosen_model_and_caches_them(tmp_path):
+    small_model().save(tmp_path / "m.keras")
+    args = ("model=keras_file", f"model.path={tmp_path / 'm.keras'}", "model.custom_objects=[test_keras_models.Scale]",
+            "data=synthetic", "data.image_shape=[8,8,3]", "--help")
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = run(*args, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "== Config groups" in proc.stdout  # Hydra's own help is still there
+    section = proc.stdout[proc.stdout.index("== Cut names of"):].splitlines()
+    assert section[1:3] == ["6 allowed (sections=<int> and sections=auto choose among them too):",
+                            "  conv, bn, scale, relu, concat, pool"], section
+    assert len(list((tmp_path / "cache").glob("sectionflow/cut_names/*.json"))) == 1
+    again = run(*args, env=env)
+    assert again.stdout[again.stdout.index("== Cut names of"):].splitlines() == section
+
+
+def test_help_for_other_models_has_no_cut_names_section(tmp_path):
+    proc = run("model=mlp", "--help", env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert proc.returncode == 0 and "== Config groups" in proc.stdout and "Cut names" not in proc.stdout
+    assert not (tmp_path / "cache").exists()
+
+
+def test_help_names_the_shape_it_listed_for_when_the_configured_one_cannot_be_built():
+    from omegaconf import OmegaConf
+
+    from runner.help import format_names
+
+    text = format_names({"model": "m (M)", "boundaries": ["a", "b"], "cut_points": ["a", "x", "b"], "max_blocks": 3})
+    assert text.splitlines() == [
+        "== Cut names of m (M) (sections=[name, ...] ends a section with that layer) ==",
+        "2 allowed (sections=<int> and sections=auto choose among them too):", "  a, b",
+        "1 more cut points, merged into those blocks to keep at most 3 (model.keep=[name] makes one allowed; a "
+        "larger model.max_blocks keeps more):", "  x"]
+
+
+@pytest.mark.slow
+def test_help_for_an_application_on_data_it_cannot_take_lists_names_at_a_size_it_can(tmp_path):
+    proc = run("model=keras_app", "model.name=MobileNetV2", "--help", env={"XDG_CACHE_HOME": str(tmp_path / "c")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    section = proc.stdout[proc.stdout.index("== Cut names of"):]
+    assert "block_3_expand" in section and "resize" in section and "repeat_channels" in section
+    assert "listed for model.input_shape=[224, 224, 3], set a size it accepts" in section
+
+
 @pytest.mark.slow
 def test_runner_trains_a_keras_application_resized_from_the_data(tmp_path):
     proc = run("model=keras_app", "model.name=MobileNetV2", "model.input_shape=[32,32,3]", "data=synthetic",
                "data.train_size=64", "data.test_size=16", "batch=8", "train=smoke", "sections=[block_3_expand]",
+               "model.keep=[block_3_expand]",  # a cut point merged away at the default max_blocks=64
                f"hydra.run.dir={tmp_path / 'run'}", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exact          yes" in proc.stdout + proc.stderr

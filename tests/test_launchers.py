@@ -55,6 +55,25 @@ def test_optuna_experiment_searches_learning_rate_and_batch_maximizing_the_metri
                                     "batch": "choice(32, 64, 128)"}
 
 
+@pytest.mark.parametrize("overrides,direction", [
+    (["experiment=optuna_gpt"], "minimize"),                               # bits per character
+    (["experiment=optuna_mlp", "model=gpt", "data=text"], "minimize"),     # the same experiment, text data
+    (["experiment=optuna_mlp", "data=digits"], "maximize"),                # accuracy
+    (["experiment=optuna_gpt", "hydra.sweeper.direction=maximize"], "maximize"),   # an explicit one wins
+])
+def test_optuna_direction_follows_the_datas_metric(overrides, direction):
+    assert hydra_config(*overrides).sweeper.direction == direction
+
+
+def test_metric_direction_of_each_data_source():
+    from runner.direction import direction_of
+
+    assert {name: direction_of(f"models.data.{name}") for name in ("digits", "mnist", "synthetic", "sequences",
+                                                                   "text")} == {
+        "digits": "maximize", "mnist": "maximize", "synthetic": "maximize", "sequences": "maximize",
+        "text": "minimize"}
+
+
 def job_folders(sweep: Path) -> list[Path]:
     return sorted((p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name)
 
@@ -100,6 +119,20 @@ def test_optuna_sweeps_four_trials_and_writes_the_best(tmp_path):
     assert best.best_value == value and math.isclose(best.best_params["optimizer.learning_rate"], lr)
     assert best.best_params.batch == batch
     assert "[sweep] 4 jobs, 4 completed, 0 failed" in proc.stdout
+
+
+@pytest.mark.slow
+def test_optuna_gpt_sweep_minimizes_bits_per_char(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = runner("-m", "experiment=optuna_gpt", "hydra.sweeper.n_trials=3", "train.steps=3", "batch=4",
+                  "data.max_chars=60000", "data.eval_chars=2048", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Directions: ['minimize']" in proc.stdout + proc.stderr
+    values = [json.loads((job / "status.json").read_text())["value"] for job in job_folders(sweep)]
+    metrics = [json.loads((job / "metrics.json").read_text()) for job in job_folders(sweep)]
+    assert [m["metric"] for m in metrics] == ["bits_per_char"] * 3
+    assert values == [m["bits_per_char"] for m in metrics] and len(set(values)) == 3
+    assert OmegaConf.load(sweep / "optimization_results.yaml").best_value == min(values)
 
 
 FAKE_SBATCH = '''

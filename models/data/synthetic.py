@@ -14,7 +14,7 @@ KINDS = ("images", "sequences")
 
 def synthetic(kind: str = "images", image_shape: Sequence[int] = (28, 28, 1), num_classes: int = 10,
               train_size: int = 1024, test_size: int = 256, noise: float = 0.5, num_symbols: int = 10,
-              source_length: int = 8, target_length: int = 8, seed: int = 0):
+              source_length: int = 8, target_length: int = 8, seed: int = 0) -> ImageSource | SequenceSource:
     """Random data, the same for the same arguments.
 
     ``kind="images"``: each class has a random prototype image; an example is its class's prototype

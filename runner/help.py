@@ -1,0 +1,120 @@
+"""`--help` for a Keras model (`model=keras_app`, `model=keras_file`): the cut names `sections=[...]` may use.
+
+The names depend on the model and on the data (a resize layer in front of an application is one), so they are
+read from the network the run would build; the answer is cached by config and Keras version, so only the first
+`--help` for a model pays for building it (about 10 s for ResNet50V2 on 2 CPU cores), later ones take ~2 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+FALLBACK_SHAPE = (224, 224, 3)
+KERAS_BUILDERS = ("models.keras_app.build_keras_app", "models.keras_app.build_keras_file")
+
+
+def wants_help(args: list[str]) -> bool:
+    return any(a in ("--help", "-h") for a in args)
+
+
+def cut_names_section(args: list[str], conf_dir: str, width: int = 100) -> str | None:
+    """The `--help` section listing the chosen Keras model's cut names, or None for other models."""
+    from hydra import compose, initialize_config_dir
+
+    overrides = [a for a in args if "=" in a and not a.startswith("-") and not a.startswith("hydra")]
+    with initialize_config_dir(config_dir=conf_dir, version_base="1.3", job_name="help"):
+        cfg = compose("config", overrides=overrides)
+    if cfg.model.get("_target_") not in KERAS_BUILDERS:
+        return None
+    note = ""
+    try:
+        names = cut_names(cfg)
+    except Exception as err:  # noqa: BLE001 - whatever stops the build, in one line
+        why = f"cannot build the model as configured: {' '.join(str(err).split())}"
+        if cfg.model.get("input_shape", "absent") is not None:  # keras_file, or an explicit size
+            return f"== Cut names ==\n{why}\n"
+        # model=keras_app without model.input_shape on data it cannot take (ResNet50V2 on 28x28 digits): the
+        # names are the same at every size the application accepts, so list them at its usual 224x224x3.
+        cfg.model.input_shape = list(FALLBACK_SHAPE)
+        try:
+            names = cut_names(cfg)
+        except Exception:  # noqa: BLE001
+            return f"== Cut names ==\n{why}\n"
+        note = f"({why}; listed for model.input_shape={list(FALLBACK_SHAPE)}, set a size it accepts)\n"
+    return format_names(names, width) + note
+
+
+def cut_names(cfg) -> dict:
+    """{"model", "boundaries", "cut_points", "max_blocks"} of the network `cfg` builds (cached)."""
+    from omegaconf import OmegaConf
+
+    key = {"model": OmegaConf.to_container(cfg.model, resolve=True),
+           "data": OmegaConf.to_container(cfg.data, resolve=True), "keras": metadata.version("keras")}
+    path = cfg.model.get("path")
+    if path and os.path.isfile(path):
+        stat = os.stat(path)
+        key["file"] = [os.path.abspath(path), stat.st_mtime_ns, stat.st_size]
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    cache = _cache_dir() / f"{digest}.json"
+    try:
+        names = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        try:
+            names = _build_names(cfg)
+        except Exception as err:  # noqa: BLE001 - cached too: the same config fails the same way
+            names = {"error": f"{type(err).__name__}: {err}"}
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(names))
+        except OSError:
+            pass  # a read-only home: no cache, same answer
+    if "error" in names:
+        raise CannotBuild(names["error"])
+    return names
+
+
+class CannotBuild(Exception):
+    """The configured model could not be built (the message is the builder's)."""
+
+
+def format_names(names: dict, width: int = 100) -> str:
+    allowed, merged = names["boundaries"], [n for n in names["cut_points"] if n not in names["boundaries"]]
+    wrap = lambda items: textwrap.fill(", ".join(items), width, initial_indent="  ", subsequent_indent="  ",
+                                       break_on_hyphens=False)
+    lines = [f"== Cut names of {names['model']} (sections=[name, ...] ends a section with that layer) ==",
+             f"{len(allowed)} allowed (sections=<int> and sections=auto choose among them too):", wrap(allowed)]
+    if merged:
+        lines += [f"{len(merged)} more cut points, merged into those blocks to keep at most {names['max_blocks']} "
+                  f"(model.keep=[name] makes one allowed; a larger model.max_blocks keeps more):", wrap(merged)]
+    return "\n".join(lines) + "\n"
+
+
+def _build_names(cfg) -> dict:
+    from runner.quiet import load_tensorflow
+
+    load_tensorflow()
+    import keras
+    from omegaconf import OmegaConf
+
+    from runner.build import instantiate
+
+    keras.utils.set_random_seed(cfg.train.seed)
+    data = instantiate(cfg.data, "data")
+    # As runner.build.build: a key the model config sets itself wins; the builder sees the data's as data_args.
+    model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
+    data_args = dict(getattr(data, "model_args", {}) or {})
+    own = {k: data_args.pop(k) for k in list(data_args) if model_cfg.get(k) is not None}
+    net = instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
+    label = cfg.model.get("name") or Path(str(cfg.model.get("path"))).name
+    return {"model": f"{net.model_name} ({label})", "boundaries": list(net.boundaries),
+            "cut_points": list(net.cut_points), "max_blocks": cfg.model.get("max_blocks", 64)}
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sectionflow" / "cut_names"
