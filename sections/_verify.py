@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from ._precision import loss_scale, tolerance, unscale
 
-def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1e-4) -> dict:
+
+def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | None = None) -> dict:
     """Compute one step's gradients and state updates with ``engine`` and with one plain whole-graph tape, from
     the same state, and compare them.
 
@@ -14,12 +16,15 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
     between graphs, so single elements that cancel to near zero carry relative noise); state (batch-norm
     statistics, seed generators) must match elementwise to ``rtol``. Non-finite values are never a match.
     ``examples`` slices the batch so the whole-graph step fits in memory (``None``: all of it). Model and
-    optimizer state are restored afterwards.
+    optimizer state are restored afterwards. ``rtol=None``: the rounding the network's compute dtype allows
+    (1e-4 in float32; more under a mixed policy: ``sections._precision.TOLERANCE``). With a
+    ``LossScaleOptimizer`` both sides differentiate the scaled loss and unscale, as a step does.
 
     Returns ``{"exact", "gradient_rel_error", "state_max_abs_diff", "worst_variable"}``.
     """
     batch = dict(batch)
     engine.build(batch)
+    rtol = tolerance(engine.network) if rtol is None else rtol
     if examples is not None:
         batch = tf.nest.map_structure(lambda t: t[:examples], batch)
     network = engine.network
@@ -33,7 +38,7 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
     _, ours = engine.gradients(batch)
     our_state = [v.numpy() for v in network.non_trainable_variables]
     restore()
-    theirs = _whole_gradients(network, batch)
+    theirs = unscale(_whole_gradients(network, batch, _scaler(engine.optimizer)), engine.optimizer)
     their_state = [v.numpy() for v in network.non_trainable_variables]
     restore()
 
@@ -64,11 +69,16 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
             "worst_variable": worst_name}
 
 
-def _whole_gradients(network, batch):
+def _scaler(optimizer):
+    scale = loss_scale(optimizer)
+    return (lambda loss: loss) if scale is None else (lambda loss: loss * tf.cast(scale, loss.dtype))
+
+
+def _whole_gradients(network, batch, scale_loss):
     @tf.function
     def grads(batch):
         with tf.GradientTape() as tape:
-            loss = network.loss(network.forward(batch, training=True), batch)
+            loss = scale_loss(network.loss(network.forward(batch, training=True), batch))
         return tape.gradient(loss, network.trainable_variables)
 
     return grads(batch)
