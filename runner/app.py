@@ -31,9 +31,11 @@ def run(cfg: DictConfig, out: Path) -> float:
 
     load_tensorflow()
     from runner.build import build
+    from runner.precision import keeping_dtype_policy
     from runner.train import fit
 
-    return fit(cfg, build(cfg), out, changes)
+    with keeping_dtype_policy():
+        return fit(cfg, build(cfg), out, changes)
 
 
 def _resumed(cfg: DictConfig):
