@@ -22,10 +22,10 @@ POLICY = ["recompute", "store", "recreate", "recompute"]
 # Relative error allowed (per-variable gradient or update norms, and the loss). Two graphs of one step may round
 # differently (kernels picked by shape, fusions); a sum of n terms rounded in the compute dtype carries up to
 # about sqrt(n) units of roundoff u, and batch-norm, bias and kernel gradients here sum n = 16*8*8 = 1024 terms:
-# sqrt(1024) * u is 6% in bfloat16 (u = 2**-9, ~3 significant digits) and 0.8% in float16 (u = 2**-12). We allow
-# twice that. Measured on a 2-core CPU: up to 7.4% between the compiled reference and a whole-graph step in
-# bfloat16 without dropout (each is ~7% from float32), 0 in float16. Loss scaling applied twice or not undone is
-# off by the scale (2**15 or more); a step computed in float32 is caught by the border test instead.
+# sqrt(1024) u is 2**-3 in bfloat16 (u = 2**-8, ~3 significant digits) and 2**-6 in float16 (u = 2**-11).
+# Measured on a 2-core CPU: up to 7.4% between the compiled reference and a whole-graph step in bfloat16 without
+# dropout (each ~7% from float32), 0 in float16 and with dropout. Loss scaling applied twice or not undone is off
+# by the scale (2**15 or more); a step computed in float32 is caught by the border test instead.
 TOL = {"mixed_bfloat16": 2.0**-3, "mixed_float16": 2.0**-6}
 
 
