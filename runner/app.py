@@ -35,14 +35,16 @@ def run(cfg: DictConfig, out: Path) -> float:
     load_tensorflow()
     strategy = distribute.make_strategy(cfg)  # before anything else runs TensorFlow
     from runner.build import build
+    from runner.precision import keeping_dtype_policy
     from runner.train import fit
 
-    if distribute.is_chief(strategy):
-        return fit(cfg, build(cfg, strategy), out, changes)
-    # Another worker of a multi-worker run: it takes part in every step, save included (collective reads),
-    # but writes into a scratch folder it deletes; it resumes from the run's own checkpoints.
-    with distribute.scratch_folder() as scratch:
-        value = fit(cfg, build(cfg, strategy), scratch, changes, restore_from=out / "checkpoints")
+    with keeping_dtype_policy():
+        if distribute.is_chief(strategy):
+            return fit(cfg, build(cfg, strategy), out, changes)
+        # Another worker of a multi-worker run: it takes part in every step, save included (collective reads),
+        # but writes into a scratch folder it deletes; it resumes from the run's own checkpoints.
+        with distribute.scratch_folder() as scratch:
+            value = fit(cfg, build(cfg, strategy), scratch, changes, restore_from=out / "checkpoints")
     distribute.remove_worker_folder(out)  # Hydra's log of this worker; kept when the run fails
     return value
 

@@ -8,6 +8,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
+from runner.precision import set_precision, wrap_optimizer
 from sections import rules
 
 
@@ -27,7 +28,8 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
     import keras
     import tensorflow as tf
 
-    keras.backend.clear_session()
+    keras.backend.clear_session()  # also resets the dtype policy: set this run's after it
+    set_precision(cfg.train.precision)
     keras.utils.set_random_seed(cfg.train.seed)
     if cfg.train.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -41,7 +43,7 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
         network = instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
         sections = resolve_sections(cfg)
         check_boundaries(sections, network)
-        optimizer = instantiate(cfg.optimizer, "optimizer")
+        optimizer = wrap_optimizer(instantiate(cfg.optimizer, "optimizer"), cfg.train.precision)
 
     engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
     probe = next(iter(data.train_batches(cfg.batch, cfg.train.seed)))

@@ -7,6 +7,7 @@ import math
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.errors import ConfigError
+from runner.precision import PRECISIONS
 from sections import rules
 
 PROGRESS = ("auto", "bar", "log")
@@ -93,6 +94,8 @@ def _check_train(train: DictConfig) -> None:
         _positive(train, "eval_batch", "train.")
     if train.progress not in PROGRESS:
         raise ConfigError("train.progress", train.progress, f"allowed: {', '.join(PROGRESS)}")
+    if train.precision not in PRECISIONS:
+        raise ConfigError("train.precision", train.precision, f"allowed: {', '.join(PRECISIONS)}")
     if not 0 <= train.seed < 2**32:
         raise ConfigError("train.seed", train.seed, f"must be an integer from 0 to {2**32 - 1}")
     window = train.get("profile_steps")

@@ -3,6 +3,8 @@
 What may change on resume:
 - anything that leaves the math alone (sections, engine, `train.steps`, cadences, progress, checks): allowed;
 - the optimizer's hyperparameters: applied after the checkpoint is restored (and logged);
+- `train.precision` between float32 and mixed_bfloat16 (variables stay float32); not to or from mixed_float16,
+  whose loss-scale optimizer holds state of its own;
 - what the checkpoint fixes (model, data, batch, seed, the optimizer's class or its slot variables): refused,
   in one line naming each differing key.
 """
@@ -128,6 +130,8 @@ def history_name(folder: Path) -> Path:
 
 
 def _changes_slots(key: str, before, after) -> bool:
+    if key == "train.precision":  # mixed_float16 wraps the optimizer in a LossScaleOptimizer (more state)
+        return (before == "mixed_float16") != (after == "mixed_float16")
     if not key.startswith("optimizer."):
         return False
     name = key.split(".", 1)[1]

@@ -40,6 +40,7 @@ class TrainConfig:
     deterministic: bool = False  # tf.config.experimental.enable_op_determinism()
     verify_exact: bool = True  # before training: one step vs one whole-graph step (state restored after)
     profile_steps: Optional[List[int]] = None  # [first, last]: a TensorBoard profile of those steps
+    precision: str = "float32"  # float32 | mixed_bfloat16 | mixed_float16 (Keras dtype policy; float16 scales the loss)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from . import rules
 from ._memory import MemoryMeter
 from ._network import Network, unique_variables
 from ._partition import Section, balanced_starts, format_table
+from ._precision import unscale
 from ._profile import output_specs, probe_slice, shape_costs
 from ._replicas import Replicas, local_size, scale_for_replicas
 from ._structure import nbytes
@@ -118,14 +119,15 @@ class Trainer:
 
     def gradients(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, list]:
         """Loss and gradients (aligned with ``network.trainable_variables``; None where a variable gets none),
-        computed as a step would, state updates included, but not applied."""
+        computed as a step would, state updates included, but not applied. Both are unscaled: with a
+        ``LossScaleOptimizer`` the step differentiates the scaled loss and these are divided by the scale."""
         self.build(batch)
         self.network.check_batch(batch)
         loss, grads = self._gradients(self.replicas.split(dict(batch)))
         self._read_counters()
         if self.replicas.distributed:  # each replica's gradient of its scaled loss; their sum is the batch's
-            return tf.constant(self.replicas.mean(loss)), [self.replicas.sum(g) for g in grads]
-        return loss, list(grads)
+            loss, grads = tf.constant(self.replicas.mean(loss)), [self.replicas.sum(g) for g in grads]
+        return loss, unscale(grads, self.optimizer)
 
     def _scale_loss(self, loss):
         """The loss whose gradients a step applies: the optimizer's own scaling (a ``LossScaleOptimizer``'s

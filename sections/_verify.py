@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from ._precision import loss_scale, tolerance, unscale
 
-def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1e-4) -> dict:
+
+def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | None = None) -> dict:
     """Compute one step's gradients and state updates with ``engine`` and with one plain whole-graph tape, from
     the same state, and compare them.
 
@@ -14,13 +16,16 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
     between graphs, so single elements that cancel to near zero carry relative noise); state (batch-norm
     statistics, seed generators) must match elementwise to ``rtol``. Non-finite values are never a match.
     ``examples`` slices the batch so the whole-graph step fits in memory (``None``: all of it). Model and
-    optimizer state are restored afterwards. Under a strategy the whole-graph step runs under it too (with
-    per-replica batch norm, one device's step is a different computation).
+    optimizer are restored afterwards. Under a strategy the whole-graph step runs under it too (with
+    per-replica batch norm, one device's step is a different computation). ``rtol=None``: the rounding the
+    network's compute dtype allows (1e-4 in float32; more under a mixed policy: ``sections._precision.TOLERANCE``).
+    With a ``LossScaleOptimizer`` both sides differentiate the scaled loss and unscale, as a step does.
 
     Returns ``{"exact", "gradient_rel_error", "state_max_abs_diff", "worst_variable"}``.
     """
     batch = dict(batch)
     engine.build(batch)
+    rtol = tolerance(engine.network) if rtol is None else rtol
     if examples is not None:
         examples -= examples % engine.replicas.count  # the replicas share it equally
         batch = tf.nest.map_structure(lambda t: t[:examples], batch)
@@ -35,7 +40,7 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
     _, ours = engine.gradients(batch)
     our_state = [v.numpy() for v in network.non_trainable_variables]
     restore()
-    theirs = _whole_gradients(network, batch, engine.replicas)
+    theirs = unscale(_whole_gradients(network, batch, engine.replicas, _scaler(engine.optimizer)), engine.optimizer)
     their_state = [v.numpy() for v in network.non_trainable_variables]
     restore()
 
@@ -66,14 +71,19 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float = 1
             "worst_variable": worst_name}
 
 
-def _whole_gradients(network, batch, replicas):
+def _scaler(optimizer):
+    scale = loss_scale(optimizer)
+    return (lambda loss: loss) if scale is None else (lambda loss: loss * tf.cast(scale, loss.dtype))
+
+
+def _whole_gradients(network, batch, replicas, scale_loss):
     """One tape over the whole network; under a strategy, on each replica's share (loss over the replicas, as
     the engine's), the replicas' gradients summed."""
 
     def grads(batch):
         with tf.GradientTape() as tape:
             loss = network.loss(network.forward(batch, training=True), batch)
-            loss = loss / tf.cast(replicas.count, loss.dtype)
+            loss = scale_loss(loss / tf.cast(replicas.count, loss.dtype))
         return tape.gradient(loss, network.trainable_variables)
 
     return [replicas.sum(g) for g in tf.function(replicas.wrap(grads))(replicas.split(batch))]
