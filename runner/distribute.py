@@ -166,8 +166,9 @@ def make_strategy(cfg: DictConfig, environ: Optional[Mapping[str, str]] = None):
     if node.kind == "mirrored":
         if node.cpu_devices is not None:
             _logical_cpus(tf, node.cpu_devices)
+            # Reduced on CPU:0 rather than by collective ops, whose keys two strategies in a process would share.
             strategy = _cached(key, lambda: tf.distribute.MirroredStrategy(
-                [f"/cpu:{i}" for i in range(node.cpu_devices)]))
+                [f"/cpu:{i}" for i in range(node.cpu_devices)], cross_device_ops=tf.distribute.ReductionToOneDevice()))
         else:
             strategy = _cached(key, tf.distribute.MirroredStrategy)
     else:

@@ -21,9 +21,10 @@ _STRATEGY = []
 
 
 def strategy():
-    """One strategy for the module: strategies over the same devices in one process share collective keys."""
+    """One strategy for the module, reducing without collective ops (the runner's mirrored CPU strategy, made
+    in this process by tests/test_runner_distribute.py, would share their keys)."""
     if not _STRATEGY:
-        _STRATEGY.append(tf.distribute.MirroredStrategy(CPUS[:2]))
+        _STRATEGY.append(tf.distribute.MirroredStrategy(CPUS[:2], cross_device_ops=tf.distribute.ReductionToOneDevice()))
     return _STRATEGY[0]
 
 
