@@ -81,6 +81,7 @@ class RunRecord:
         self.board.text("exactness", json.dumps(report))
 
     def finish(self, step: int, metrics: dict) -> None:
+        metrics.setdefault("precision", self.cfg.train.get("precision", "float32"))  # reports compare by it
         self.board.final(step, metrics)
         self.board.close()
         (self.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
