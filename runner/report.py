@@ -29,15 +29,22 @@ def load_runs(folder: Path) -> list[dict]:
 
 def label(run: dict) -> str:
     if run["strategy"] == "whole":
-        return "whole"
+        return "whole" + _precision(run)
     policies = sorted(set(run["policies"][:-1])) or ["-"]
     policy = policies[0] if len(policies) == 1 else "mixed"
     planned = " (auto)" if run.get("memory_budget_bytes") else ""
-    return f"{run['strategy']} {run['num_sections']}s {policy}{planned}"
+    return f"{run['strategy']} {run['num_sections']}s {policy}{planned}" + _precision(run)
+
+
+def _precision(run: dict) -> str:
+    precision = run.get("precision", "float32")
+    return "" if precision == "float32" else f" {precision}"
 
 
 def with_ratios(runs: list[dict]) -> list[dict]:
-    whole = {r["batch"]: r for r in runs if r["strategy"] == "whole"}
+    # the baseline: whole-graph in float32 at the same batch (else whole at any precision)
+    whole = {r["batch"]: r for r in sorted(runs, key=lambda r: r.get("precision", "float32") == "float32")
+             if r["strategy"] == "whole"}
     for r in runs:
         base = whole.get(r["batch"])
         r["time_ratio"] = r["median_step_seconds"] / base["median_step_seconds"] if base else None
@@ -55,7 +62,7 @@ def max_batch_under(runs: list[dict], budget: float) -> dict[str, float]:
     out = {}
     for name, points in by_label.items():
         points = sorted(set(points))
-        if len(points) < 2:
+        if len({b for b, _ in points}) < 2:  # one batch size: no line to fit
             continue
         n = len(points)
         mx = sum(b for b, _ in points) / n
@@ -79,7 +86,7 @@ def table(runs: list[dict]) -> str:
         policies = ",".join(p[0] for p in r["policies"])  # r = recompute, s = store
         predicted = r.get("predicted_peak_bytes")
         rows.append(
-            f"| {r.get('folder', '-')} | {r['strategy']} "
+            f"| {r.get('folder', '-')} | {r['strategy']}{_precision(r)} "
             f"| {r['num_sections']} ({'+'.join(map(str, r['section_blocks']))}) | {policies} "
             f"| {r['batch']} | {_fmt(r['median_step_seconds'], '.3f')} | {_fmt(r['time_ratio'], '.2f')} "
             f"| {_fmt(r['step_peak_bytes'] and r['step_peak_bytes'] / MiB, '.0f')} | {_fmt(r['peak_ratio'], '.2f')} "

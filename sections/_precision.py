@@ -36,8 +36,15 @@ def _divide(g, scale):
 
 
 def compute_dtype(network) -> str:
-    """The narrowest compute dtype among the network's layers (``float32`` unless a mixed policy built them)."""
-    dtypes = {getattr(layer, "compute_dtype", "float32") for layer in network.layers}
+    """The narrowest compute dtype among the network's layers (``float32`` unless a mixed policy built them);
+    a block that is not a Keras layer (``Network.from_keras``'s segments) is looked into through ``layers``."""
+    dtypes, stack = set(), list(network.layers)
+    while stack:
+        layer = stack.pop()
+        if hasattr(layer, "compute_dtype"):
+            dtypes.add(str(layer.compute_dtype))
+        else:
+            stack.extend(getattr(layer, "layers", ()))
     for name in ("float16", "bfloat16"):
         if name in dtypes:
             return name

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from ._precision import loss_scale, tolerance, unscale
+from ._precision import compute_dtype, loss_scale, tolerance, unscale
 
 
 def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | None = None) -> dict:
@@ -16,10 +16,11 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | N
     between graphs, so single elements that cancel to near zero carry relative noise); state (batch-norm
     statistics, seed generators) must match elementwise to ``rtol``. Non-finite values are never a match.
     ``examples`` slices the batch so the whole-graph step fits in memory (``None``: all of it). Model and
-    optimizer are restored afterwards. Under a strategy the whole-graph step runs under it too (with
-    per-replica batch norm, one device's step is a different computation). ``rtol=None``: the rounding the
-    network's compute dtype allows (1e-4 in float32; more under a mixed policy: ``sections._precision.TOLERANCE``).
-    With a ``LossScaleOptimizer`` both sides differentiate the scaled loss and unscale, as a step does.
+    optimizer state are restored afterwards. Under a strategy the whole-graph step runs under it too (with
+    per-replica batch norm, one device's step is a different computation). ``rtol=None``: the rounding the network's compute dtype allows
+    (1e-4 in float32; more under a mixed policy: ``sections._precision.TOLERANCE``, and a near-zero gradient
+    is compared at the scale of the whole gradient: ``_noise_floor``). With a
+    ``LossScaleOptimizer`` both sides differentiate the scaled loss and unscale, as a step does.
 
     Returns ``{"exact", "gradient_rel_error", "state_max_abs_diff", "worst_variable"}``.
     """
@@ -45,15 +46,17 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | N
     restore()
 
     exact, worst_rel, worst_name = True, 0.0, ""
-    for v, a, b in zip(network.trainable_variables, ours, theirs):
+    dense = [None if g is None else np.asarray(tf.convert_to_tensor(g), np.float64)  # sparse gradients densified
+             for g in theirs]
+    floor = _noise_floor(dense) if compute_dtype(network) != "float32" else lambda size: 0.0
+    for v, a, b in zip(network.trainable_variables, ours, dense):
         if (a is None) != (b is None):
             exact, worst_rel, worst_name = False, float("inf"), v.path
             continue
         if a is None:
             continue
-        a = np.asarray(tf.convert_to_tensor(a), np.float64)  # sparse (embedding) gradients densified
-        b = np.asarray(tf.convert_to_tensor(b), np.float64)
-        rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+        a = np.asarray(tf.convert_to_tensor(a), np.float64)
+        rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), floor(b.size), 1e-30))
         if not np.isfinite(rel) or not np.all(np.isfinite(a)) or not np.all(np.isfinite(b)):
             rel = float("inf")
         if rel > worst_rel or not worst_name:
@@ -71,9 +74,24 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | N
             "worst_variable": worst_name}
 
 
+def _noise_floor(grads):
+    """Under a mixed policy, a variable's error is measured against at least its share of the whole gradient's
+    norm (``|g| * sqrt(size / total size)``): a gradient that cancels to near zero (a bias before batch norm)
+    holds only rounding noise, which a narrow type makes as large as the gradient itself."""
+    present = [g for g in grads if g is not None]
+    total = float(np.sqrt(sum(np.sum(g * g) for g in present)))
+    count = max(1, sum(g.size for g in present))
+    return lambda size: total * float(np.sqrt(size / count))
+
+
 def _scaler(optimizer):
+    """What a step differentiates: the loss times the optimizer's loss scale, if it has one."""
     scale = loss_scale(optimizer)
-    return (lambda loss: loss) if scale is None else (lambda loss: loss * tf.cast(scale, loss.dtype))
+
+    def scaled(loss):
+        return loss if scale is None else loss * tf.cast(scale, loss.dtype)
+
+    return scaled
 
 
 def _whole_gradients(network, batch, replicas, scale_loss):

@@ -12,6 +12,7 @@ import keras
 from sections import Engine, Network, RecomputeGrad, WholeGraph
 from sections._replicas import DistributeError
 from engine_nets import hard_network, loss_fn, make_batch
+from test_engine_v2 import plain_loop  # a user's single-device loop: layers built by their first call
 
 CPUS = [d.name for d in tf.config.list_logical_devices("CPU")]
 pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="needs 2 logical CPU devices (tests/conftest.py)")
@@ -78,22 +79,6 @@ def dense_layers(sync_bn=False):
 def dense_network(sync_bn=False):
     layers = dense_layers(sync_bn)
     return Network([(f"l{i}", layer) for i, layer in enumerate(layers)], loss=loss_fn, inputs="image")
-
-
-def plain_loop(layers, data, lr=1e-2):
-    """A user's single-device loop on the global batch: layers built by their first call."""
-    optimizer = keras.optimizers.Adam(lr)
-    losses = []
-    for batch in data:
-        with tf.GradientTape() as tape:
-            h = batch["image"]
-            for layer in layers:
-                h = layer(h, training=True)
-            loss = loss_fn(h, batch)
-        variables = [v for layer in layers for v in layer.trainable_variables]
-        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-        losses.append(float(loss))
-    return losses
 
 
 @pytest.mark.parametrize("kw,sync_bn", [(SCHEDULES[0], False), (SCHEDULES[1], False), (SCHEDULES[2], False),

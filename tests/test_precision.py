@@ -227,3 +227,22 @@ def _recording(forward, into):
         return out
 
     return wrapped
+
+
+@pytest.mark.parametrize("precision,dtype", [("mixed_bfloat16", tf.bfloat16), ("mixed_float16", tf.float16)])
+def test_a_keras_model_cut_by_from_keras_passes_the_exactness_report_at_its_precision(precision, dtype, policy):
+    """The runner's exactness report (compare_with_whole) at mixed precision: tolerance by compute dtype, found
+    through from_keras's segments, and a bias before batch norm (a gradient that is only rounding noise)."""
+    from sections import compare_with_whole
+
+    policy(precision)
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", name="c1")(inputs)
+    x = keras.layers.ReLU(name="r1")(keras.layers.BatchNormalization(name="bn1")(x))
+    y = keras.layers.Add(name="add")([x, keras.layers.Conv2D(8, 3, padding="same", name="c2")(x)])
+    outputs = keras.layers.Dense(5, name="head")(keras.layers.GlobalAveragePooling2D(name="gap")(y))
+    net = Network.from_keras(keras.Model(inputs, outputs), loss_fn, inputs="image")
+    engine = Engine(net, make_optimizer(precision), sections=3)
+    report = compare_with_whole(engine, make_batch(0))
+    assert report["exact"], report
+    assert [tf.nest.flatten(s.input_specs)[0].dtype for s in engine.sections[1:]] == [dtype, dtype]

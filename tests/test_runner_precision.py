@@ -91,3 +91,22 @@ def test_the_loss_scale_state_is_checkpointed_and_restored_exactly(tmp_path):
             np.testing.assert_array_equal(a, np.array(v))
     finally:
         keras.config.set_dtype_policy("float32")
+
+
+def test_a_report_takes_ratios_against_float32_whole_and_names_the_precision(tmp_path):
+    from runner.report import main
+
+    def job(i, strategy, precision, peak_mib):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "metrics.json").write_text(json.dumps({
+            "metric": "accuracy", "accuracy": 0.5, "strategy": strategy, "batch": 64, "num_sections": 1,
+            "section_blocks": [1], "policies": ["recompute"], "median_step_seconds": 1.0, "exact": True,
+            "step_peak_bytes": peak_mib * 2**20, "forward_runs_per_section": [1], "precision": precision}))
+
+    job(0, "whole", "mixed_bfloat16", 60)  # one batch size only: nothing to fit, no crash
+    job(1, "whole", "float32", 100)
+    job(2, "sectioned", "mixed_bfloat16", 40)
+    main([str(tmp_path)])
+    rows = (tmp_path / "report.md").read_text().splitlines()
+    assert any("| whole mixed_bfloat16 |" in r and "| 0.60 |" in r for r in rows), rows
+    assert any("| sectioned mixed_bfloat16 |" in r and "| 0.40 |" in r for r in rows), rows
