@@ -126,7 +126,12 @@ def test_event_file_holds_every_tag_text_and_hparams(tiny_run):
     values, trial = session_hparams(hparams)
     assert values["batch"] == "16" and values["model"] == "resnet" and values["sections"] == "[scale1,final_pool]"
     assert trial.startswith("model=resnet model.widths=[4,4,4]")
-    assert "custom_scalars__config__" in scalars
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    (_, raw), = scalars["custom_scalars__config__"]
+    charts = {c.title: list(c.multiline.tag) for cat in layout_pb2.Layout.FromString(raw).category for c in cat.chart}
+    assert {tuple(tags) for tags in charts.values()} >= {(r"memory_MiB/section_\d+",), (r"forward_runs/section_\d+",)}
+    assert any("MiB" in title for title in charts)
 
 
 def test_tensorboard_serves_the_scalar_tags(tiny_run):
