@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+import threading
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +29,14 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
     sweep = hc.mode == RunMode.MULTIRUN
     status = {"overrides": list(hc.overrides.task)}
     try:
-        value = job(cfg, out)
+        with _signals_before_the_loop(sweep):
+            value = job(cfg, out)
+    except (KeyboardInterrupt, Terminated) as signalled:  # before the training loop handles them (or a second one)
+        name, code = ("SIGTERM", 143) if isinstance(signalled, Terminated) else ("Ctrl-C", 130)
+        err = Interrupted(f"{name}: stopped without saving; {_newest(out)}", exit_code=code)
+        report(err)
+        _write(out, sweep, status | {"status": "interrupted", "error": str(err)})
+        sys.exit(code)
     except Interrupted as err:
         report(err)
         _write(out, sweep, status | {"status": "interrupted", "error": str(err)})
@@ -48,6 +58,32 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
         return float("nan")
     _write(out, sweep, status | {"status": "completed", "value": value, "metric": _metric_name(out)})
     return value
+
+
+class Terminated(BaseException):
+    """SIGTERM (SLURM, `timeout`) outside the training loop; a BaseException, so no `except Exception` keeps it."""
+
+
+@contextmanager
+def _signals_before_the_loop(sweep: bool):
+    """SIGTERM raises Terminated (not a silent exit) until the training loop installs its own handlers."""
+    if sweep or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _newest(out: Path) -> str:
+    saved = sorted((out / "checkpoints").glob("ckpt-*.index"), key=lambda p: int(p.stem.split("-")[1]))
+    return f"resume={out} continues from {saved[-1].with_suffix('')}" if saved else "nothing was saved"
 
 
 def _metric_name(out: Path) -> str:

@@ -26,20 +26,23 @@ def load_tensorflow():
     if "tensorflow" in sys.modules and getattr(load_tensorflow, "done", False):
         return sys.modules["tensorflow"]
     sys.stderr.flush()
-    saved, tf, gpus = os.dup(2), None, []
+    saved, tf, gpus, failed = os.dup(2), None, [], False
     with tempfile.TemporaryFile() as capture:
         os.dup2(capture.fileno(), 2)
         try:
             import tensorflow as tf
 
             gpus = tf.config.list_physical_devices("GPU")
+        except Exception:
+            failed = True
+            raise
         finally:
             os.dup2(saved, 2)
             os.close(saved)
             capture.seek(0)
             text = capture.read().decode(errors="replace")
-            # on a failed import, show everything it said
-            shown = filtered(text, has_gpu=bool(gpus), min_level=_min_level() if tf is not None else 0)
+            # on a failed import, show everything it said (not on Ctrl-C or SIGTERM: nothing failed)
+            shown = filtered(text, has_gpu=bool(gpus), min_level=0 if failed else _min_level())
             if shown:
                 print("\n".join(shown), file=sys.stderr, flush=True)
     # tf.distribute logs a line per reduction at INFO ("Reduce to ... then broadcast"); the run's log is ours.

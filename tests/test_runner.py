@@ -126,7 +126,12 @@ def test_event_file_holds_every_tag_text_and_hparams(tiny_run):
     values, trial = session_hparams(hparams)
     assert values["batch"] == "16" and values["model"] == "resnet" and values["sections"] == "[scale1,final_pool]"
     assert trial.startswith("model=resnet model.widths=[4,4,4]")
-    assert "custom_scalars__config__" in scalars
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    (_, raw), = scalars["custom_scalars__config__"]
+    charts = {c.title: list(c.multiline.tag) for cat in layout_pb2.Layout.FromString(raw).category for c in cat.chart}
+    assert {tuple(tags) for tags in charts.values()} >= {(r"memory_MiB/section_\d+",), (r"forward_runs/section_\d+",)}
+    assert any("MiB" in title for title in charts)
 
 
 def test_tensorboard_serves_the_scalar_tags(tiny_run):
@@ -309,3 +314,24 @@ def test_every_model_runs_end_to_end_and_is_exact(args, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["exact"] is True and metrics["step"] == 4
+
+
+@pytest.mark.parametrize("sig,code,name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")],
+                         ids=["ctrl-c", "sigterm"])
+def test_a_signal_before_training_is_one_line(sig, code, name, tmp_path):
+    """While TensorFlow loads and the engine builds: no traceback (Ctrl-C) and no silent exit (SIGTERM)."""
+    out = tmp_path / "early"
+    cmd = [sys.executable, "-m", "runner", *TINY, f"hydra.run.dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "runner.log").exists() and time.monotonic() < deadline:  # the job has started
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        stdout, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "run folder:" not in stdout, "the signal came after start-up; the test needs an earlier moment"
+    assert proc.returncode == code, err[-3000:]
+    assert err.strip().splitlines() == [f"{name}: stopped without saving; nothing was saved"]
