@@ -27,8 +27,11 @@ def cut_names_section(args: list[str], conf_dir: str, width: int = 100) -> str |
     from hydra import compose, initialize_config_dir
 
     overrides = [a for a in args if "=" in a and not a.startswith("-") and not a.startswith("hydra")]
-    with initialize_config_dir(config_dir=conf_dir, version_base="1.3", job_name="help"):
-        cfg = compose("config", overrides=overrides)
+    try:
+        with initialize_config_dir(config_dir=conf_dir, version_base="1.3", job_name="help"):
+            cfg = compose("config", overrides=overrides)
+    except Exception:  # noqa: BLE001 - sweep values (a,b) and the like: one model is not chosen, list nothing
+        return None
     if cfg.model.get("_target_") not in KERAS_BUILDERS:
         return None
     note = ""
