@@ -19,11 +19,13 @@ if __name__ == "__main__":
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     if wants_help(sys.argv[1:]):
+        code = 0
         try:
-            main()  # Hydra prints its help and exits
+            main()  # Hydra prints its help (and exits)
         except SystemExit as done:
-            section = cut_names_section(sys.argv[1:], CONF)
-            if section:
-                print(section, flush=True)
-            raise done
+            code = done.code
+        section = cut_names_section(sys.argv[1:], CONF) if not code else None
+        if section:
+            print(section, flush=True)
+        sys.exit(code)
     main()

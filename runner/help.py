@@ -14,6 +14,8 @@ import textwrap
 from importlib import metadata
 from pathlib import Path
 
+from runner.errors import ConfigError
+
 FALLBACK_SHAPE = (224, 224, 3)
 KERAS_BUILDERS = ("models.keras_app.build_keras_app", "models.keras_app.build_keras_file")
 
@@ -27,8 +29,11 @@ def cut_names_section(args: list[str], conf_dir: str, width: int = 100) -> str |
     from hydra import compose, initialize_config_dir
 
     overrides = [a for a in args if "=" in a and not a.startswith("-") and not a.startswith("hydra")]
-    with initialize_config_dir(config_dir=conf_dir, version_base="1.3", job_name="help"):
-        cfg = compose("config", overrides=overrides)
+    try:
+        with initialize_config_dir(config_dir=conf_dir, version_base="1.3", job_name="help"):
+            cfg = compose("config", overrides=overrides)
+    except Exception:  # noqa: BLE001 - sweep values (a,b) and the like: one model is not chosen, list nothing
+        return None
     if cfg.model.get("_target_") not in KERAS_BUILDERS:
         return None
     note = ""
@@ -66,8 +71,10 @@ def cut_names(cfg) -> dict:
     except (OSError, ValueError):
         try:
             names = _build_names(cfg)
-        except Exception as err:  # noqa: BLE001 - cached too: the same config fails the same way
-            names = {"error": f"{type(err).__name__}: {err}"}
+        except ConfigError as err:
+            if err.key != "model._target_":
+                raise  # the data (a missing file, say) may change without the config changing: not cached
+            names = {"error": f"{type(err).__name__}: {err}"}  # the model's builder refused this config
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(names))
@@ -104,7 +111,10 @@ def _build_names(cfg) -> dict:
     from runner.build import instantiate
 
     keras.utils.set_random_seed(cfg.train.seed)
-    data = instantiate(cfg.data, "data")
+    data_cfg = cfg.data.copy()
+    if "download" in data_cfg:
+        data_cfg.download = False  # --help never downloads (data=mnist): a missing file is one line instead
+    data = instantiate(data_cfg, "data")
     # As runner.build.build: a key the model config sets itself wins; the builder sees the data's as data_args.
     model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
     data_args = dict(getattr(data, "model_args", {}) or {})

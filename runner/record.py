@@ -69,15 +69,10 @@ class RunRecord:
         lines = [f"run folder: {self.out}" + (f" (resumed at step {start_step})" if start_step else ""),
                  f"model {_short(cfg.model._target_)}, data {_short(cfg.data._target_)}, batch {cfg.batch}, "
                  f"{cfg.train.steps} steps, optimizer {_short(cfg.optimizer._target_)}"
-<<<<<<< HEAD
-                 + (f" lr {lr:g}" if isinstance(lr, (int, float)) else "") + f", engine {strategy}",
-                 f"device: {device}" + _topology(self.setup),
-=======
                  + (f" lr {lr:g}" if isinstance(lr, (int, float)) else "") + f", engine {strategy}"
                  + (f", precision {precision}" if (precision := cfg.train.get("precision", "float32")) != "float32"
                     else ""),
-                 f"device: {device}",
->>>>>>> precision
+                 f"device: {device}" + _topology(self.setup),
                  table,
                  f"full config: {self.out / 'config.yaml'}"]
         return "\n".join(lines)

@@ -4,7 +4,8 @@ A layer ``L`` is a *cut point* when every layer that depends on the model's firs
 ancestor of ``L`` or a descendant of it: then "everything up to ``L``" and "everything after ``L``" split
 the graph in two, and the border between them is every tensor made before the cut and used after it
 (``L``'s output, plus any skip connection or concatenation input that crosses it). A layer running
-beside ``L`` on a parallel branch (one side of a residual block) makes ``L`` impossible to cut.
+beside ``L`` on a parallel branch (one side of a residual block) makes ``L`` impossible to cut; the ops
+that compute a Keras mask do not (they run early, and the mask crosses the cut as a boolean border tensor).
 Cut points form a chain, so the model becomes a chain of segments; consecutive segments are merged
 so the network keeps at most ``max_blocks`` blocks.
 
@@ -186,7 +187,8 @@ class _Graph:
         self.node_count = {nm: names.count(nm) for nm in names}
 
     def before(self, i: int) -> int:
-        """The nodes that run up to a cut after node ``i``: its ancestors, and heads whose inputs exist."""
+        """The nodes that run up to a cut after node ``i``: its ancestors, and side nodes (heads, mask ops)
+        whose inputs exist."""
         mask = self.anc[i] | (1 << i)
         for j in self.side:  # in execution order, so a chain of side nodes is taken whole
             if not mask >> j & 1 and all(mask >> p & 1 for p in self.parents[j]):

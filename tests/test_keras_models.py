@@ -162,6 +162,15 @@ def test_help_lists_the_cut_names_of_the_chosen_model_and_caches_them(tmp_path):
     assert again.stdout[again.stdout.index("== Cut names of"):].splitlines() == section
 
 
+def test_help_never_downloads_and_does_not_cache_a_data_failure(tmp_path):
+    proc = run("model=keras_app", "model.name=MobileNetV2", "data=mnist", f"data.path={tmp_path / 'none.npz'}", "--help",
+               env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cannot build the model as configured: data._target_=models.data.mnist" in proc.stdout
+    assert "downloads are off" in proc.stdout and not (tmp_path / "none.npz").exists()
+    assert not list(tmp_path.glob("cache/sectionflow/cut_names/*.json"))
+
+
 def test_help_for_other_models_has_no_cut_names_section(tmp_path):
     proc = run("model=mlp", "--help", env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert proc.returncode == 0 and "== Config groups" in proc.stdout and "Cut names" not in proc.stdout
