@@ -78,6 +78,7 @@ def job_folders(sweep: Path) -> list[Path]:
     return sorted((p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name)
 
 
+@pytest.mark.slow  # ~15 s; the launcher configs compose and validate in the fast tests above
 def test_two_job_sweep_through_submitit_local_runs_each_job_in_its_own_process(tmp_path):
     sweep = tmp_path / "sweep"
     proc = runner("-m", "model=mlp", "data=synthetic", *SMALL, "batch=8", "hydra/launcher=local",
@@ -99,6 +100,7 @@ def test_two_job_sweep_through_submitit_local_runs_each_job_in_its_own_process(t
     assert "Submitit 'local' sweep output dir" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # ~15 s; the sweep direction and config are checked in fast tests
 def test_optuna_sweeps_four_trials_and_writes_the_best(tmp_path):
     sweep = tmp_path / "sweep"
     proc = runner("-m", "experiment=optuna_mlp", *SMALL, "hydra.sweeper.n_trials=4",  # a batch given here would fix it

@@ -198,6 +198,7 @@ def test_resume_continues_in_the_same_folder_from_its_own_config(tiny_run, tmp_p
     assert "optimizer._target_ (keras.optimizers.Adam -> keras.optimizers.SGD)" in line
 
 
+@pytest.mark.slow  # ~20 s; test_runner_checkpoint restores seed states in process and repeats the draws
 def test_killed_run_with_dropout_resumes_bit_identically(tmp_path):
     """kill -9 mid-run, resume: the losses equal an uninterrupted run's (dropout's seed state is checkpointed)."""
     args = ["model=mlp", "model.hidden=[32]", "model.dropout=0.3", "data=synthetic", "batch=32",
@@ -280,7 +281,8 @@ def test_nan_loss_stops_naming_the_newest_all_finite_checkpoint(tmp_path):
     assert not (out / "metrics.json").exists()
 
 
-@pytest.mark.parametrize("sig,code,name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")],
+@pytest.mark.parametrize("sig,code,name", [pytest.param(signal.SIGINT, 130, "Ctrl-C", marks=pytest.mark.slow),
+                                           (signal.SIGTERM, 143, "SIGTERM")],  # one handler for both
                          ids=["ctrl-c", "sigterm"])
 def test_signal_saves_a_checkpoint_and_exits(sig, code, name, tmp_path):
     out = tmp_path / "interrupted"
@@ -305,7 +307,8 @@ def test_signal_saves_a_checkpoint_and_exits(sig, code, name, tmp_path):
 @pytest.mark.parametrize("args", [
     ["model=mlp", "model.hidden=[16]"],
     ["model=attention", "model.filters=[4,4]", "model.hidden=8"],
-    ["model=seq2seq", "data=sequences", "model.units=8", "model.embed_dim=4", "data.eval_size=32"],
+    pytest.param(["model=seq2seq", "data=sequences", "model.units=8", "model.embed_dim=4", "data.eval_size=32"],
+                 marks=pytest.mark.slow),  # ~15 s; seq2seq's engine equivalence is in test_models
     ["model=resnet", "model.widths=[4,4,4]", "model.depths=[1,1,1]", "data=synthetic", "sections=auto",
      "engine.memory_budget=1GiB"],
 ], ids=["mlp", "attention", "seq2seq", "resnet-auto"])
@@ -316,7 +319,8 @@ def test_every_model_runs_end_to_end_and_is_exact(args, tmp_path):
     assert metrics["exact"] is True and metrics["step"] == 4
 
 
-@pytest.mark.parametrize("sig,code,name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")],
+@pytest.mark.parametrize("sig,code,name", [pytest.param(signal.SIGINT, 130, "Ctrl-C", marks=pytest.mark.slow),
+                                           (signal.SIGTERM, 143, "SIGTERM")],  # one handler for both
                          ids=["ctrl-c", "sigterm"])
 def test_a_signal_before_training_is_one_line(sig, code, name, tmp_path):
     """While TensorFlow loads and the engine builds: no traceback (Ctrl-C) and no silent exit (SIGTERM)."""
