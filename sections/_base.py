@@ -56,7 +56,7 @@ class Trainer:
         """
         if self._built:
             return
-        self.network.check_batch(batch)
+        batch = _as_tensors(self.network, batch)
         local = self.replicas.first_slice(dict(batch))
         with self.replicas.scope():
             self.network.build(local)
@@ -113,16 +113,16 @@ class Trainer:
         """One training step; returns loss, forward runs per section, peak bytes per section and for the step
         (under a strategy: ``batch`` is the global batch, forward runs are per replica, peaks are the largest
         replica device's, and ``device_peak_bytes`` has each device's)."""
+        batch = _as_tensors(self.network, batch)
         self.build(batch)
-        self.network.check_batch(batch)
         return self._step(self.replicas.split(dict(batch)))
 
     def gradients(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, list]:
         """Loss and gradients (aligned with ``network.trainable_variables``; None where a variable gets none),
         computed as a step would, state updates included, but not applied. Both are unscaled: with a
         ``LossScaleOptimizer`` the step differentiates the scaled loss and these are divided by the scale."""
+        batch = _as_tensors(self.network, batch)
         self.build(batch)
-        self.network.check_batch(batch)
         loss, grads = self._gradients(self.replicas.split(dict(batch)))
         self._read_counters()
         if self.replicas.distributed:  # each replica's gradient of its scaled loss; their sum is the batch's
@@ -150,8 +150,8 @@ class Trainer:
 
     def evaluate(self, batch: Mapping[str, tf.Tensor]) -> dict:
         """Loss and metrics in inference mode (no state changes)."""
+        batch = _as_tensors(self.network, batch)
         self.build(batch)
-        self.network.check_batch(batch)
         if self.replicas.distributed and local_size(batch, self.replicas) % self.replicas.count:
             # A batch the replicas cannot share equally (an evaluation set's remainder) runs on one device.
             return {k: float(v) for k, v in self._evaluate_here(dict(batch)).items()}
@@ -191,6 +191,13 @@ class Trainer:
     def _require_built(self) -> None:
         if not self._built:
             raise RuntimeError("Not built yet: call build(batch) or train_step(batch) first.")
+
+
+def _as_tensors(network, batch) -> dict:
+    """The batch checked (a dict with every key the blocks read) and as tensors (NumPy arrays welcome)."""
+    network.check_batch(batch)
+    return {k: v if isinstance(v, (tf.Tensor, tf.distribute.DistributedValues)) else tf.nest.map_structure(
+        tf.convert_to_tensor, v) for k, v in batch.items()}
 
 
 def _span(names: list[str]) -> str:

@@ -107,3 +107,14 @@ def test_flops_per_section_are_positive_and_backward_exceeds_forward():
     assert len(flops) == 3
     for f in flops:
         assert 0 < f["forward"] < f["backward"], flops
+
+
+def test_numpy_batches_train_like_tensor_batches():
+    from engine_nets import hard_network, make_batch, twin_networks
+
+    batch = make_batch(16)
+    a, b = twin_networks(hard_network, batch)
+    as_numpy = {k: v.numpy() for k, v in batch.items()}
+    got = Engine(a, keras.optimizers.Adam(1e-2), sections="auto", memory_budget="1GiB").train_step(as_numpy)
+    want = Engine(b, keras.optimizers.Adam(1e-2), sections="auto", memory_budget="1GiB").train_step(batch)
+    assert got["loss"] == want["loss"]
