@@ -15,6 +15,7 @@ from ._planner import plan_schedule
 from ._policies import Recompute, resolve
 from ._profile import profile_blocks
 from ._relaxed import RelaxedFunction
+from ._replicas import local_size
 from ._schedule import Schedule
 from ._structure import nbytes
 
@@ -37,6 +38,13 @@ class Engine(Trainer):
         jit_compile: compile the section functions with XLA.
         check: compare each re-run's output with its first run and raise on a mismatch.
         memory_budget: bytes (or a string like ``"2GiB"``) for ``sections="auto"``.
+        one_graph: compile the whole step (forward, every section's re-run and backward, the optimizer) into one
+            ``tf.function``, each re-run gated on the gradient from the section after it (so it cannot be hoisted
+            into the first forward) and replaying that section's state snapshot, as the sectioned cycle does.
+            Borders and upstream gradients are then graph intermediates the executor frees when spent, and it
+            may overlap independent work across sections. Every section ``recompute`` (no ``store``,
+            ``recreate`` or planner), no ``check``; ``peak_bytes`` per section reads ``None`` (only the step's
+            peak is measured).
         probe_batch: examples used by the per-block memory probe (``sections="auto"`` only).
         device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
             strategy, its replica devices).
@@ -55,17 +63,24 @@ class Engine(Trainer):
     def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
                  policy="recompute", jit_compile: bool = False, check: bool = False,
                  memory_budget: int | str | None = None, probe_batch: int = 64, device: str | None = None,
-                 distribute=None):
+                 distribute=None, one_graph: bool = False):
         fixed = sections if isinstance(sections, Schedule) else None
         if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
             sections, policy = fixed.num_sections, list(fixed.policies)
         super().__init__(network, optimizer, sections, policy, jit_compile, memory_budget, probe_batch, device,
                          distribute)
         self.check = bool(check)
+        self.one_graph = bool(one_graph)
+        if self.one_graph and (check or sections == "auto" or fixed is not None):
+            raise ValueError("one_graph=True compiles a fixed recompute partition into one step: it takes no "
+                             "check mode, sections='auto' or Schedule.")
         self._fixed = fixed
         if sections != "auto":
             count = sections if isinstance(sections, int) else len(sections) + 1
             self._policies = [resolve(p) for p in rules.policies_for(policy, count)]
+            if self.one_graph and any(type(p) is not Recompute for p in self._policies):
+                raise ValueError(f"one_graph=True runs every section with policy 'recompute'; got "
+                                 f"{[p.name for p in self._policies]}.")
         self.profiles = None
         self.schedule: Schedule | None = None
         self.replans: list[str] = []
@@ -100,12 +115,22 @@ class Engine(Trainer):
                      for s, c in zip(self.sections, self._counters)]
         # Sparse (embedding) gradients change length with the batch's shapes: their length is left unknown.
         self._apply = RelaxedFunction(self.replicas.wrap(self._apply_gradients), self.jit_compile, batch_args=())
+        if self.one_graph:
+            self._graph_train = RelaxedFunction(self.replicas.wrap(self._graph_step), self.jit_compile, (0,))
+            self._graph_grads = RelaxedFunction(self.replicas.wrap(self._graph_cycle), self.jit_compile, (0,))
 
     def _policy_label(self, section) -> str:
         return "fused (last)" if section.index == len(self.sections) - 1 else section.policy
 
     # ------------------------------------------------------------------ the step
     def _step(self, batch) -> dict:
+        if self.one_graph:
+            self.meter.reset()
+            loss = self._graph_train(local_size(batch, self.replicas), batch)
+            device_peaks = self.meter.peaks()
+            return {"loss": self.replicas.mean(loss), "forward_runs": self._read_counters(),
+                    "peak_bytes": [None] * len(self.sections), "step_peak_bytes": max(device_peaks.values()),
+                    "device_peak_bytes": device_peaks}
         loss, grads, peaks, step_peak = self._cycle(batch)
         self.meter.reset()
         self._apply(0, *self._present(grads))
@@ -120,8 +145,52 @@ class Engine(Trainer):
         return stats
 
     def _gradients(self, batch):
+        if self.one_graph:
+            return self._graph_grads(local_size(batch, self.replicas), batch)
         loss, grads, _, _ = self._cycle(batch)
         return loss, grads
+
+    # ------------------------------------------------------------------ the step as one graph (one_graph=True)
+    def _graph_cycle(self, batch):
+        """``_cycle`` traced into one graph (recompute everywhere). Section k's re-run reads its input border
+        through an identity that waits for the gradient on its output: without that gate the executor (or
+        Grappler's common-subexpression pass) would run or merge the re-run with the first forward, and keep
+        every activation alive as a whole-graph step does."""
+        fns, last = self._fns, len(self.sections) - 1
+        views = self._views(batch)
+        h = batch[self.network.inputs]
+        borders, snapshots = [], []
+        for k in range(last):
+            out, snapshot = fns[k]._first(h, views[k])
+            borders.append(h)
+            snapshots.append(snapshot)
+            h = out
+            del out
+        loss, upstream, var_grads = fns[last]._fused(h, views[last])
+        del h
+        grads: list = [None] * len(self._trainable)
+        self._accumulate_here(grads, self.sections[last].variables, var_grads)
+        for k in range(last - 1, -1, -1):
+            gate = [g for g in tf.nest.flatten(upstream) if g is not None]
+            with tf.control_dependencies(gate):
+                border = tf.nest.map_structure(tf.identity, borders[k])
+            if self.jit_compile:  # XLA ignores control dependencies: a data dependency instead (adds zero)
+                border = _after(border, gate)
+            borders[k] = None
+            upstream, var_grads, _ = fns[k]._rerun_backward(border, views[k], upstream, snapshots[k], None)
+            self._accumulate_here(grads, self.sections[k].variables, var_grads)
+        return loss, grads
+
+    def _graph_step(self, batch):
+        loss, grads = self._graph_cycle(batch)
+        self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, self._trainable) if g is not None])
+        return loss
+
+    def _accumulate_here(self, grads: list, variables: list, var_grads) -> None:
+        for v, g in zip(variables, var_grads):
+            if g is not None:
+                i = self._var_index[id(v)]
+                grads[i] = g if grads[i] is None else add_gradients(grads[i], g)
 
     def _cycle(self, batch):
         """One step's gradients: the cached forward pass, then the backward from the last section to the first.
@@ -240,7 +309,19 @@ class Engine(Trainer):
         for f in self._fns:
             counts.update(f.trace_counts())
         counts["apply"] = self._apply.tracing_count()
+        if self.one_graph:
+            counts["step"] = self._graph_train.tracing_count()
         return counts
+
+
+def _after(border, gate):
+    """``border`` with a data dependency on the first gate tensor (as ``tf.recompute_grad`` does under XLA)."""
+    if not gate:
+        return border
+    elem = tf.cast(tf.reduce_max(tf.reshape(gate[0], [-1])[:1]), tf.bool)
+    zero = tf.where(tf.equal(elem, elem), 0.0, float("nan"))
+    return tf.nest.map_structure(
+        lambda t: t + tf.cast(zero, t.dtype) if t.dtype.is_floating else t, border)
 
 
 def _resume_point(kept, k):

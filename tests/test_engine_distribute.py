@@ -47,10 +47,11 @@ SCHEDULES = [
     dict(sections=3),
     dict(sections=3, policy="store"),
     dict(sections=4, policy=["recompute", "recreate", "store", "recompute"]),
+    dict(sections=3, one_graph=True),
 ]
 
 
-@pytest.mark.parametrize("kw", SCHEDULES, ids=["recompute", "store", "recreate"])
+@pytest.mark.parametrize("kw", SCHEDULES, ids=["recompute", "store", "recreate", "one_graph"])
 def test_sectioned_step_under_a_strategy_equals_a_whole_graph_step_under_it(kw):
     """Batch norm (per-replica statistics), dropout, a stochastic gate and a tuple border with an int tensor."""
     st, data = strategy(), batches()
