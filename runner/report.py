@@ -50,6 +50,7 @@ def with_ratios(runs: list[dict]) -> list[dict]:
         r["time_ratio"] = r["median_step_seconds"] / base["median_step_seconds"] if base else None
         r["peak_ratio"] = (r["step_peak_bytes"] / base["step_peak_bytes"]
                            if base and base.get("step_peak_bytes") and r.get("step_peak_bytes") else None)
+        r["whole_peak_bytes"] = base.get("step_peak_bytes") if base else None
     return runs
 
 
@@ -146,9 +147,16 @@ def _frontier_plot(plt, runs: list[dict], second: Path) -> Path:
     markers = {"whole": "s", "recompute_grad": "^", "sectioned": "o"}
     colors = {"whole": "tab:green", "recompute_grad": "tab:orange", "sectioned": "tab:blue"}
     for r in runs:
-        ax.scatter(r["peak_ratio"], r["time_ratio"], marker=markers.get(r["strategy"], "x"),
-                   color=colors.get(r["strategy"], "black"), label=r["strategy"])
-        ax.annotate(f"{r['num_sections']}s b{r['batch']}", (r["peak_ratio"], r["time_ratio"]), fontsize=6)
+        planned = bool(r.get("memory_budget_bytes"))  # sections=auto: the planner's choice under a budget
+        name = "sectioned auto (planner)" if planned else r["strategy"]
+        ax.scatter(r["peak_ratio"], r["time_ratio"], marker="*" if planned else markers.get(r["strategy"], "x"),
+                   color="tab:red" if planned else colors.get(r["strategy"], "black"), label=name,
+                   s=80 if planned else None)
+        note = f"{r['num_sections']}s b{r['batch']}"
+        whole = r.get("whole_peak_bytes")
+        if planned and whole:
+            note += f" budget {r['memory_budget_bytes'] / whole:.2f}"
+        ax.annotate(note, (r["peak_ratio"], r["time_ratio"]), fontsize=6)
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=8)
