@@ -129,6 +129,12 @@ class Trainer:
             loss, grads = tf.constant(self.replicas.mean(loss)), [self.replicas.sum(g) for g in grads]
         return loss, unscale(grads, self.optimizer)
 
+    def _stats(self, loss, device_peaks: dict, peaks: list | None = None) -> dict:
+        """A step's report: the loss averaged over replicas, forward runs, per-section and per-device peaks."""
+        return {"loss": self.replicas.mean(loss), "forward_runs": self._read_counters(),
+                "peak_bytes": peaks if peaks is not None else [None] * len(self.sections),
+                "step_peak_bytes": max(device_peaks.values()), "device_peak_bytes": device_peaks}
+
     def _scale_loss(self, loss):
         """The loss whose gradients a step applies: the optimizer's own scaling (a ``LossScaleOptimizer``'s
         dynamic scale; its ``apply_gradients`` unscales), as Keras's ``train_step`` does."""

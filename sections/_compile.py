@@ -57,11 +57,7 @@ class SectionFunctions:
     # ---------------------------------------------------------------- what policies call
     def sources(self, h) -> list:
         """The input's tensors that get a gradient (none for the first section: its input is data)."""
-        if not self.needs_input_grad:
-            return []
-        if not self.replicas.distributed:
-            return float_leaves(h)
-        return [t for t in tf.nest.flatten(h) if tf.as_dtype(self.replicas.local(t).dtype).is_floating]
+        return float_leaves(h) if self.needs_input_grad else []
 
     def forward(self, h, view, snapshot=None):
         """Run the section: the first time in a step (``snapshot=None``) or a replay. Returns (output, snapshot)."""
@@ -72,45 +68,34 @@ class SectionFunctions:
     def rerun_backward(self, h, view, upstream, snapshot, expected=None):
         """Re-run from the cached input and state, then a vector-Jacobian product."""
         g_in, g_vars, diff = self._call("rerun_backward", h, view, upstream, snapshot, expected)
-        if expected is not None and self.replicas.max(diff) > self.tol:
+        diff = self.replicas.max(diff) if expected is not None else 0.0
+        if diff > self.tol:
             sec = self.section
             raise ReplayMismatchError(
                 f"{sec.name} ({sec.block_names[0]}..{sec.block_names[-1]}): the re-run forward differs from "
-                f"the first run (max relative difference {self.replicas.max(diff):.3g} > {self.tol}). Randomness inside it is "
+                f"the first run (max relative difference {diff:.3g} > {self.tol}). Randomness inside it is "
                 f"not replayable; draw it through a keras.random.SeedGenerator, or use policy='store' for it.")
         return g_in, g_vars
 
     def tape_backward(self, tape, h, out, upstream):
-        """Backward from a tape kept during the forward (no re-run)."""
-        xs, ys = self.sources(h), self.sources_of(out)
-        if self.replicas.distributed:
-            return self._tape_backward_per_replica(tape, xs, ys, upstream)
-        grads = tape.gradient(ys, xs + self.section.variables, output_gradients=_zeros_for_missing(ys, upstream))
-        return grads[: len(xs)], grads[len(xs):]
-
-    def sources_of(self, out) -> list:
-        if not self.replicas.distributed:
-            return float_leaves(out)
-        return [t for t in tf.nest.flatten(out) if tf.as_dtype(self.replicas.local(t).dtype).is_floating]
-
-    def watch(self, tape, h) -> None:
-        """Watch the input's gradient-carrying tensors (each replica's components under a strategy)."""
-        tape.watch([c for x in self.sources(h) for c in self.replicas.components(x)])
-
-    def _tape_backward_per_replica(self, tape, xs, ys, upstream):
-        # The tape recorded one multi-device call: differentiate each replica's components (its variables'
-        # components included) and pack them back into per-replica values.
+        """Backward from a tape kept during the forward (no re-run). Under a strategy the tape recorded one
+        multi-device call: each replica's components (its variables' copies included) are differentiated and
+        packed back into per-replica values; on one device every value is its own single component."""
         parts = self.replicas.components
+        xs, ys = self.sources(h), float_leaves(out)
         up = [parts(g) if g is not None else [tf.zeros_like(c) for c in parts(y)] for y, g in zip(ys, upstream)]
-        flat_ys = [c for y in ys for c in parts(y)]
-        flat_up = [c for g in up for c in g]
         sources = [parts(x) for x in xs] + [parts(v) for v in self.section.variables]
-        grads = tape.gradient(flat_ys, [c for group in sources for c in group], output_gradients=flat_up)
+        grads = tape.gradient([c for y in ys for c in parts(y)], [c for group in sources for c in group],
+                              output_gradients=[c for g in up for c in g])
         packed, i = [], 0
         for group in sources:
             packed.append(self.replicas.pack(grads[i:i + len(group)]))
             i += len(group)
         return packed[: len(xs)], packed[len(xs):]
+
+    def watch(self, tape, h) -> None:
+        """Watch the input's gradient-carrying tensors (each replica's components under a strategy)."""
+        tape.watch([c for x in self.sources(h) for c in self.replicas.components(x)])
 
     def fused(self, h, view):
         """The last section: forward, loss and backward in one run. Returns (loss, input grads, variable grads)."""

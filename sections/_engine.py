@@ -127,17 +127,13 @@ class Engine(Trainer):
         if self.one_graph:
             self.meter.reset()
             loss = self._graph_train(local_size(batch, self.replicas), batch)
-            device_peaks = self.meter.peaks()
-            return {"loss": self.replicas.mean(loss), "forward_runs": self._read_counters(),
-                    "peak_bytes": [None] * len(self.sections), "step_peak_bytes": max(device_peaks.values()),
-                    "device_peak_bytes": device_peaks}
+            return self._stats(loss, self.meter.peaks())
         loss, grads, peaks, step_peak = self._cycle(batch)
         self.meter.reset()
         self._apply(0, *self._present(grads))
         apply_peaks = self.meter.peaks()
         device_peaks = {d: max(p, apply_peaks[d]) for d, p in step_peak.items()}
-        stats = {"loss": self.replicas.mean(loss), "forward_runs": self._read_counters(), "peak_bytes": peaks,
-                 "step_peak_bytes": max(device_peaks.values()), "device_peak_bytes": device_peaks}
+        stats = self._stats(loss, device_peaks, peaks)
         if self.plan is not None and not self.replans:
             # The plan is per replica; replicas on logical CPU devices share one allocator (read as their total).
             sharing = max(1, len(self.replicas.devices()) // len(self.meter.devices))

@@ -36,10 +36,7 @@ class WholeGraph(Trainer):
     def _step(self, batch) -> dict:
         self.meter.reset()
         loss = self._train_fn(local_size(batch, self.replicas), batch)
-        device_peaks = self.meter.peaks()
-        return {"loss": self.replicas.mean(loss), "forward_runs": self._read_counters(),
-                "peak_bytes": [None] * len(self.sections), "step_peak_bytes": max(device_peaks.values()),
-                "device_peak_bytes": device_peaks}
+        return self._stats(loss, self.meter.peaks())
 
     def _gradients(self, batch):
         return self._grads_fn(local_size(batch, self.replicas), batch)

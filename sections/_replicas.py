@@ -118,10 +118,7 @@ class Replicas:
         global batch's gradient)."""
         if not self.distributed or value is None:
             return value
-        if isinstance(value, tf.distribute.DistributedValues) or any(
-                isinstance(v, tf.distribute.DistributedValues) for v in tf.nest.flatten(value)):
-            return self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-        return value
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
 
     def components(self, value) -> list:
         """This process's per-replica components of a tensor, a per-replica value or a (mirrored) variable."""
@@ -132,10 +129,8 @@ class Replicas:
 
     def pack(self, parts: list):
         """The per-replica value whose components (this process's replicas, in order) are ``parts``."""
-        if not self.distributed:
-            return parts[0]
-        if any(p is None for p in parts):
-            return None
+        if not self.distributed or any(p is None for p in parts):
+            return parts[0] if not self.distributed else None
         return self.strategy.experimental_distribute_values_from_function(
             lambda ctx: parts[ctx.replica_id_in_sync_group % len(parts)])
 

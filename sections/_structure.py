@@ -22,4 +22,6 @@ def nbytes(structure) -> int:
 
 
 def _is_float(t) -> bool:
+    if isinstance(t, tf.distribute.DistributedValues):  # a per-replica value: its components share a dtype
+        t = t.values[0]
     return tf.as_dtype(t.dtype).is_floating

@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from ._precision import compute_dtype, loss_scale, tolerance, unscale
+from ._replicas import scale_for_replicas
 
 
 def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | None = None) -> dict:
@@ -100,8 +101,7 @@ def _whole_gradients(network, batch, replicas, scale_loss):
 
     def grads(batch):
         with tf.GradientTape() as tape:
-            loss = network.loss(network.forward(batch, training=True), batch)
-            loss = scale_loss(loss / tf.cast(replicas.count, loss.dtype))
+            loss = scale_loss(scale_for_replicas(network.loss(network.forward(batch, training=True), batch)))
         return tape.gradient(loss, network.trainable_variables)
 
     return [replicas.sum(g) for g in tf.function(replicas.wrap(grads))(replicas.split(batch))]
