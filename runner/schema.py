@@ -23,6 +23,7 @@ class EngineConfig:
     jit_compile: bool = False
     check: bool = False  # compare the sectioned gradients with whole-graph ones
     memory_budget: Any = None  # bytes (int) or a size like "2GiB"; used by sections=auto
+    probe_batch: Optional[int] = None  # examples the planner's per-block probe runs; null: the real batch
 
 
 @dataclass

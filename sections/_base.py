@@ -11,7 +11,7 @@ from ._memory import MemoryMeter
 from ._network import Network, unique_variables
 from ._partition import Section, balanced_starts, format_table
 from ._precision import unscale
-from ._profile import output_specs, probe_slice, shape_costs
+from ._profile import SPEC_BATCH, output_specs, probe_slice, shape_costs
 from ._replicas import Replicas, local_size, scale_for_replicas
 from ._structure import nbytes
 
@@ -26,7 +26,7 @@ class Trainer:
 
     def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
                  policy="recompute", jit_compile: bool = False, memory_budget: int | str | None = None,
-                 probe_batch: int = 64, device: str | None = None, distribute=None):
+                 probe_batch: int | None = None, device: str | None = None, distribute=None):
         if not isinstance(network, Network):
             raise ValueError(f"network must be a sections.Network; got {type(network).__name__}.")
         if isinstance(sections, tuple):
@@ -37,7 +37,11 @@ class Trainer:
         self.network = network
         self.optimizer = optimizer
         self.jit_compile = bool(jit_compile)
-        self.probe_batch = int(probe_batch)
+        if probe_batch is not None and (isinstance(probe_batch, bool) or not isinstance(probe_batch, int)
+                                        or probe_batch < 1):
+            raise ValueError(f"probe_batch={probe_batch!r}: expected a positive int (examples the planner's "
+                             f"probe runs), or None (null in a config) for the real batch.")
+        self.probe_batch = probe_batch
         self.replicas = Replicas(distribute)
         self.meter = MemoryMeter(device or self.replicas.devices() or None)
         self.memory_budget = rules.parse_bytes(memory_budget) if memory_budget is not None else None
@@ -60,7 +64,7 @@ class Trainer:
         local = self.replicas.first_slice(dict(batch))
         with self.replicas.scope():
             self.network.build(local)
-            self._probe = probe_slice(self.network, local, self.probe_batch)
+            self._probe = probe_slice(self.network, local, SPEC_BATCH)
             self._batch_bytes = nbytes(local)
             self._output_specs, self._input_specs = output_specs(self.network, *self._probe)
             starts, policies = self._settle(local)

@@ -13,7 +13,7 @@ from ._compile import ReplayMismatchError, SectionFunctions
 from ._network import Network
 from ._planner import plan_schedule
 from ._policies import Recompute, resolve
-from ._profile import profile_blocks
+from ._profile import probe_slice, profile_blocks
 from ._relaxed import RelaxedFunction
 from ._replicas import local_size
 from ._schedule import Schedule
@@ -45,7 +45,8 @@ class Engine(Trainer):
             may overlap independent work across sections. Every section ``recompute`` (no ``store``,
             ``recreate`` or planner), no ``check``; ``peak_bytes`` per section reads ``None`` (only the step's
             peak is measured).
-        probe_batch: examples used by the per-block memory probe (``sections="auto"`` only).
+        probe_batch: examples the planner's per-block probe runs (``sections="auto"`` only); default: the real
+            batch (one replica's share), so its memory and time are measured, not scaled from a small slice.
         device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
             strategy, its replica devices).
         distribute: a ``tf.distribute`` strategy (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``) to run
@@ -62,7 +63,7 @@ class Engine(Trainer):
 
     def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
                  policy="recompute", jit_compile: bool = False, check: bool = False,
-                 memory_budget: int | str | None = None, probe_batch: int = 64, device: str | None = None,
+                 memory_budget: int | str | None = None, probe_batch: int | None = None, device: str | None = None,
                  distribute=None, one_graph: bool = False):
         fixed = sections if isinstance(sections, Schedule) else None
         if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
@@ -90,7 +91,9 @@ class Engine(Trainer):
         if self._fixed is not None:
             schedule = self._fixed
         elif self._sections_arg == "auto":
-            self.profiles = profile_blocks(self.network, *self._probe, self.meter)
+            real = self._probe[1]
+            small, _ = probe_slice(self.network, batch, self.probe_batch or real)
+            self.profiles = profile_blocks(self.network, small, real, self.meter)
             self.plan = self._plan()
             schedule = self.plan.schedule
         else:

@@ -17,7 +17,7 @@ class WholeGraph(Trainer):
     strategy = "whole"
 
     def __init__(self, network, optimizer, sections=1, policy=None, jit_compile: bool = False, check: bool = False,
-                 memory_budget=None, probe_batch: int = 64, device: str | None = None, distribute=None):
+                 memory_budget=None, probe_batch: int | None = None, device: str | None = None, distribute=None):
         # policy, check and memory_budget belong to the sectioned engine; accepted so configs can switch classes.
         if sections == "auto":
             raise ValueError(f"sections='auto' plans the sectioned engine; {type(self).__name__} takes an int "
