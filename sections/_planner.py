@@ -10,8 +10,8 @@ objective is the step's forward work (measured seconds) plus a small cost per se
 compiled call).
 
 Peak model: the base (variables, optimizer slots, the batch), the borders and tapes held by outer levels,
-and during a section's backward its activations (kept + largest transient, from the probe) with the
-gradient arriving at its output.
+and during a section's backward its activations (the largest, over its blocks j, of what blocks up to j keep
+plus block j's transient buffers; from the probe) with the gradient arriving at its output.
 """
 
 from __future__ import annotations
@@ -72,12 +72,18 @@ class _Chain:
         self._stored = np.cumsum([0] + [p.stored_bytes for p in profiles])
         self._fwd = np.cumsum([0.0] + [p.forward_seconds for p in profiles])
         self._transient = [p.transient_bytes for p in profiles]
+        self._active: dict = {}
 
     def section(self, s: int, t: int, scale: float = 1.0) -> SectionProfile:
+        # A section's backward goes from its last block to its first: while block j's backward runs, blocks
+        # s..j still hold what they kept (later blocks' are freed) and block j needs its transient buffers.
+        active = self._active.get((s, t))
+        if active is None:
+            active = self._active[(s, t)] = max(self._kept[j + 1] - self._kept[s] + self._transient[j]
+                                                for j in range(s, t))
         transient = max(self._transient[s:t])
-        return SectionProfile(int(scale * (self._kept[t] - self._kept[s] + transient)),
-                              int(scale * (self._stored[t] - self._stored[s])), int(scale * transient),
-                              float(self._fwd[t] - self._fwd[s]))
+        return SectionProfile(int(scale * active), int(scale * (self._stored[t] - self._stored[s])),
+                              int(scale * transient), float(self._fwd[t] - self._fwd[s]))
 
     def seconds(self, s: int, t: int) -> float:
         return float(self._fwd[t] - self._fwd[s])

@@ -34,7 +34,7 @@ def brute_force(ps, input_bytes, limit, overhead):
     border = [input_bytes] + [p.output_bytes for p in ps]
     border[n] = 0
     fwd = lambda s, t: sum(p.forward_seconds for p in ps[s:t])
-    act = lambda s, t: sum(p.kept_bytes for p in ps[s:t]) + max(p.transient_bytes for p in ps[s:t])
+    act = lambda s, t: max(sum(p.kept_bytes for p in ps[s:j + 1]) + ps[j].transient_bytes for j in range(s, t))
 
     @functools.lru_cache(maxsize=None)
     def best(s, t, held):
