@@ -204,7 +204,8 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
         raise ValueError(
             f"memory_budget={human_bytes(budget)} ({budget} bytes): no partition fits; the smallest predicted "
             f"peak reachable is {human_bytes(smallest)} ({smallest} bytes), and plans keep a {margin:.0%} "
-            f"safety margin below the budget.")
+            f"safety margin below the budget: the smallest budget that fits is about "
+            f"{human_bytes(math.ceil(smallest / (1 - margin) / 2**20) * 2**20)}.")
     choices, peaks = [], []
     sol.tree(0, chain.n, sol.R, float(base_bytes), choices, peaks)
     schedule = _to_schedule(choices, chain.n)

@@ -103,6 +103,8 @@ def test_budget_nothing_fits_names_smallest_reachable_peak():
     smallest = int(re.search(r"reachable is [0-9.]+ MiB \((\d+) bytes\)", str(info.value)).group(1))
     plan = plan_schedule(profiles(), input_bytes=MiB, budget=int(smallest / 0.9) + MiB)
     assert plan.predicted_peak <= smallest + MiB
+    named = re.search(r"the smallest budget that fits is about ([0-9.]+ MiB)\.$", str(info.value)).group(1)
+    assert plan_schedule(profiles(), input_bytes=MiB, budget=parse_bytes(named)).predicted_peak <= smallest + MiB
 
 
 @pytest.mark.parametrize("text,value", [("2GiB", 2 * 2**30), ("2G", 2 * 10**9), ("512MB", 512 * 10**6),
