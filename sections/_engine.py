@@ -262,9 +262,19 @@ class Engine(Trainer):
         try:
             self.plan = self._plan(scale)
         except ValueError as err:
-            raise ValueError(f"the first step's measured peak {rules.human_bytes(measured)} exceeded the plan's "
-                             f"prediction {rules.human_bytes(predicted)}; with activation costs corrected by "
-                             f"{scale:.3g}: {err}") from None
+            if measured > old.budget:
+                raise ValueError(f"the measured step peak {rules.human_bytes(measured)} exceeded the budget "
+                                 f"{rules.human_bytes(old.budget)} and the plan's prediction "
+                                 f"{rules.human_bytes(predicted)}; with activation costs corrected by "
+                                 f"{scale:.3g}: {err}") from None
+            # Over the prediction but inside the budget: the plan stays (the margin absorbed the error).
+            message = (f"measured step peak {rules.human_bytes(measured)} exceeded the plan's prediction "
+                       f"{rules.human_bytes(predicted)} but not the budget {rules.human_bytes(old.budget)}; with "
+                       f"activation costs scaled by {scale:.3f} no plan fits inside the safety margin, so the "
+                       f"plan stays")
+            self.replans.append(message)
+            log.warning(message)
+            return
         self.schedule = self.plan.schedule
         message = (f"measured step peak {rules.human_bytes(measured)} exceeded the plan's prediction "
                    f"{rules.human_bytes(predicted)}; activation costs scaled by {scale:.3f} and re-planned: "

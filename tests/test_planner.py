@@ -152,6 +152,26 @@ def test_replans_when_the_first_measured_step_exceeds_the_prediction(monkeypatch
     assert engine.plan.predicted_peak >= first["step_peak_bytes"] * 0.5
 
 
+def test_a_step_over_the_prediction_but_inside_the_budget_keeps_its_plan_when_no_corrected_plan_fits(monkeypatch):
+    """Measured on the ResNet at batch 1024: the smallest plan's step read 8% over its prediction but under the
+    budget, and the corrected costs fit no plan inside the margin. Training goes on with the plan (logged);
+    only a step over the budget itself stops, naming the budget."""
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
+    engine.build(make_batch(n=32, size=8, classes=10))
+    plan = engine.plan
+
+    def nothing_fits(scale=1.0):
+        raise ValueError("no partition fits; the smallest predicted peak reachable is 9.9 GiB")
+
+    monkeypatch.setattr(engine, "_plan", nothing_fits)
+    engine._replan_if_over(plan.predicted_peak + MiB)
+    assert engine.plan is plan and "so the plan stays" in engine.replans[0]
+    engine.replans.clear()
+    with pytest.raises(ValueError, match=r"measured step peak 10\.0 GiB exceeded the budget 10\.0 GiB .*"
+                                         r"no partition fits"):
+        engine._replan_if_over(plan.budget + MiB)
+
+
 @pytest.mark.parametrize("probe_batch, expected", [(None, 96), (16, 16)])
 def test_the_probe_runs_at_the_real_batch_unless_told(monkeypatch, probe_batch, expected):
     """The planner's per-block probe measures the real batch by default (scaling a small slice up missed
