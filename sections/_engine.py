@@ -253,40 +253,34 @@ class Engine(Trainer):
 
     def _replan_if_over(self, measured: int) -> None:
         """The first measured step above the plan's prediction corrects the cost model and re-plans."""
-        predicted = self.plan.predicted_peak
-        if measured <= predicted:
+        hb, old = rules.human_bytes, self.plan
+        if measured <= old.predicted_peak:
             return
-        base = self.plan.base_bytes
-        scale = (measured - base) / max(1, predicted - base)
-        old = self.plan
+        scale = (measured - old.base_bytes) / max(1, old.predicted_peak - old.base_bytes)
+        over = f"measured step peak {hb(measured)} exceeded the plan's prediction {hb(old.predicted_peak)}"
         try:
             self.plan = self._plan(scale)
         except ValueError as err:
             if measured > old.budget:
-                raise ValueError(f"the measured step peak {rules.human_bytes(measured)} exceeded the budget "
-                                 f"{rules.human_bytes(old.budget)} and the plan's prediction "
-                                 f"{rules.human_bytes(predicted)}; with activation costs corrected by "
+                raise ValueError(f"{over} and the budget {hb(old.budget)}; with activation costs corrected by "
                                  f"{scale:.3g}: {err}") from None
-            # Over the prediction but inside the budget: the plan stays (the margin absorbed the error).
-            message = (f"measured step peak {rules.human_bytes(measured)} exceeded the plan's prediction "
-                       f"{rules.human_bytes(predicted)} but not the budget {rules.human_bytes(old.budget)}; with "
-                       f"activation costs scaled by {scale:.3f} no plan fits inside the safety margin, so the "
-                       f"plan stays")
-            self.replans.append(message)
-            log.warning(message)
+            # Inside the budget all the same (the margin absorbed the error): the plan stays.
+            self._log_replan(f"{over} but not the budget {hb(old.budget)}; with activation costs scaled by "
+                             f"{scale:.3f} no plan fits inside the safety margin, so the plan stays")
             return
+        self._log_replan(f"{over}; activation costs scaled by {scale:.3f} and re-planned: "
+                         f"{len(old.schedule.starts) + 1} -> {len(self.plan.schedule.starts) + 1} sections, "
+                         f"predicted peak {hb(self.plan.predicted_peak)}")
         self.schedule = self.plan.schedule
-        message = (f"measured step peak {rules.human_bytes(measured)} exceeded the plan's prediction "
-                   f"{rules.human_bytes(predicted)}; activation costs scaled by {scale:.3f} and re-planned: "
-                   f"{len(old.schedule.starts) + 1} -> {len(self.plan.schedule.starts) + 1} sections, "
-                   f"predicted peak {rules.human_bytes(self.plan.predicted_peak)}")
-        self.replans.append(message)
-        log.warning(message)
         starts, policies = list(self.schedule.starts), [p.name for p in self.schedule.policies]
         self._make_sections(starts, policies)
         self._counters = self._make_counters()
         self._fields = [self.network.fields_for(s.start, s.stop, list(self._probe[0])) for s in self.sections]
         self._compile()
+
+    def _log_replan(self, message: str) -> None:
+        self.replans.append(message)
+        log.warning(message)
 
     def _accumulate(self, grads: list, variables: list, var_grads) -> None:
         for v, g in zip(variables, var_grads):
