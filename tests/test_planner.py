@@ -167,8 +167,8 @@ def test_a_step_over_the_prediction_but_inside_the_budget_keeps_its_plan_when_no
     engine._replan_if_over(plan.predicted_peak + MiB)
     assert engine.plan is plan and "so the plan stays" in engine.replans[0]
     engine.replans.clear()
-    with pytest.raises(ValueError, match=r"measured step peak 10\.0 GiB exceeded the plan's prediction .* and the budget 10\.0 GiB.*"
-                                         r"no partition fits"):
+    with pytest.raises(ValueError, match=r"measured step peak 10\.0 GiB exceeded the plan's prediction .* "
+                                         r"and the budget 10\.0 GiB.*no partition fits"):
         engine._replan_if_over(plan.budget + MiB)
 
 
