@@ -33,6 +33,9 @@ def run(cfg: DictConfig, out: Path) -> float:
     from runner.quiet import load_tensorflow
 
     load_tensorflow()
+    from runner.threads import set_inter_op_threads
+
+    set_inter_op_threads(cfg.train.inter_op_threads)  # before the runtime starts (the strategy starts it)
     strategy = distribute.make_strategy(cfg)  # before anything else runs TensorFlow
     from runner.build import build
     from runner.precision import keeping_dtype_policy

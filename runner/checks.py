@@ -94,6 +94,8 @@ def _check_train(train: DictConfig) -> None:
         _positive(train, "eval_batch", "train.")
     if train.progress not in PROGRESS:
         raise ConfigError("train.progress", train.progress, f"allowed: {', '.join(PROGRESS)}")
+    if train.inter_op_threads is not None:
+        _positive(train, "inter_op_threads", "train.")
     if train.precision not in PRECISIONS:
         raise ConfigError("train.precision", train.precision, f"allowed: {', '.join(PRECISIONS)}")
     if not 0 <= train.seed < 2**32:

@@ -229,7 +229,9 @@ def test_killed_run_with_dropout_resumes_bit_identically(tmp_path):
 
 def test_sweep_makes_one_run_per_job_with_hparams_and_clean_state(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = runner("-m", *TINY, "train.steps=2", "batch=8", "sections=2,3", f"hydra.sweep.dir={sweep}")
+    # both jobs in one process, with one inter-op thread (set once, kept for the second job)
+    proc = runner("-m", *TINY, "train.steps=2", "batch=8", "sections=2,3", "train.inter_op_threads=1",
+                  f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [p.name for p in jobs] == ["0", "1"]

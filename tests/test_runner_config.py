@@ -114,6 +114,7 @@ BAD = [
     (["engine.memory_budget=abc"], "engine.memory_budget=abc: must be bytes (an integer) or a size with a unit"),
     (["engine._target_=bad"], "engine._target_=bad: allowed: sections.Engine, sections.WholeGraph, sections.RecomputeGrad"),
     (["train.progress=x"], "train.progress=x: allowed: auto, bar, log"),
+    (["train.inter_op_threads=0"], "train.inter_op_threads=0: must be a positive integer"),
     (["resume=/no/such/run"], "resume=/no/such/run: no such folder"),
     (["resume={tmp}/other", "model=resnet"], "cannot change model._target_ (models.build_mlp -> models.build_resnet)"),
     (["resume={tmp}/other", "optimizer=adamw"], "cannot change optimizer._target_"),
