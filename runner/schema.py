@@ -39,7 +39,7 @@ class TrainConfig:
     progress: str = "auto"  # auto | bar | log
     seed: int = 0
     deterministic: bool = False  # tf.config.experimental.enable_op_determinism()
-    inter_op_threads: Optional[int] = None  # threads for independent ops; 1: one op order (and peak) every step of a run
+    inter_op_threads: Optional[int] = None  # threads for independent ops; 1: one op order every step of a run
     verify_exact: bool = True  # before training: one step vs one whole-graph step (state restored after)
     profile_steps: Optional[List[int]] = None  # [first, last]: a TensorBoard profile of those steps
     precision: str = "float32"  # float32 | mixed_bfloat16 | mixed_float16 (Keras dtype policy; float16 scales the loss)

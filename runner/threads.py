@@ -9,9 +9,9 @@ def set_inter_op_threads(value: int | None) -> None:
     """Run independent ops on ``value`` threads (None: TensorFlow's default, one per core).
 
     With one thread the executor runs a compiled function's ready ops in one order every step, so a step's
-    peak memory repeats within a process (which order a process settles on can differ); with more, which of two ready ops runs first varies, and a backward's peak can move
-    by one activation between identical steps (BENCHMARKS.md). Convolutions and matmuls still use every core
-    (the intra-op pool).
+    peak memory repeats within a process (which order a process settles on can differ); with more, which of
+    two ready ops runs first varies, and a backward's peak can move by one activation between identical steps
+    (BENCHMARKS.md). Convolutions and matmuls still use every core (the intra-op pool).
     """
     if value is None:
         return

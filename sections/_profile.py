@@ -1,6 +1,7 @@
 """A probe of each block: border shapes (from a small slice), activation memory and forward time (at the
-real batch by default; figures from a smaller slice are scaled to it). Each block is compiled the way the engine compiles a section, so the
-memory measured is what a compiled backward keeps, not what an eager tape would."""
+real batch by default; figures from a smaller slice are scaled to it). Each block is compiled the way the
+engine compiles a section, so the memory measured is what a compiled backward keeps, not what an eager tape
+would."""
 
 from __future__ import annotations
 

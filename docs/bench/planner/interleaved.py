@@ -99,7 +99,7 @@ def main():
                   f"{m:.3f} | {m / w:.3f} |")
             continue
         replanned = f"{eng.plan.predicted_peak / MiB:.0f}" if eng.replans else "(none)"
-        print(f"| {label} | {budget / whole_peak:.3f} | {len(eng.sections)} | {eng.schedule and eng.plan.forward_runs} | "
+        print(f"| {label} | {budget / whole_peak:.3f} | {len(eng.sections)} | {eng.plan.forward_runs} | "
               f"{first[label] / MiB:.0f} | {replanned} | {top / MiB:.0f} | {top / whole_peak:.3f} | "
               f"{'yes' if top <= budget else 'NO'} | {m:.3f} | {m / w:.3f} |")
     print("\nper-step peaks MiB:")
