@@ -37,10 +37,7 @@ class Trainer:
         self.network = network
         self.optimizer = optimizer
         self.jit_compile = bool(jit_compile)
-        if probe_batch is not None and (isinstance(probe_batch, bool) or not isinstance(probe_batch, int)
-                                        or probe_batch < 1):
-            raise ValueError(f"probe_batch={probe_batch!r}: expected a positive int (examples the planner's "
-                             f"probe runs), or None (null in a config) for the real batch.")
+        rules.check_probe_batch(probe_batch)
         self.probe_batch = probe_batch
         self.replicas = Replicas(distribute)
         self.meter = MemoryMeter(device or self.replicas.devices() or None)

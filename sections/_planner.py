@@ -72,16 +72,15 @@ class _Chain:
         self._stored = np.cumsum([0] + [p.stored_bytes for p in profiles])
         self._fwd = np.cumsum([0.0] + [p.forward_seconds for p in profiles])
         self._transient = [p.transient_bytes for p in profiles]
-        self._active: dict = {}
+        self._memo: dict = {}  # (s, t) -> (backward peak, largest transient): the solver asks O(n^3) times
 
     def section(self, s: int, t: int, scale: float = 1.0) -> SectionProfile:
         # A section's backward goes from its last block to its first: while block j's backward runs, blocks
         # s..j still hold what they kept (later blocks' are freed) and block j needs its transient buffers.
-        active = self._active.get((s, t))
-        if active is None:
-            active = self._active[(s, t)] = max(self._kept[j + 1] - self._kept[s] + self._transient[j]
-                                                for j in range(s, t))
-        transient = max(self._transient[s:t])
+        if (s, t) not in self._memo:
+            self._memo[(s, t)] = (max(self._kept[j + 1] - self._kept[s] + self._transient[j] for j in range(s, t)),
+                                  max(self._transient[s:t]))
+        active, transient = self._memo[(s, t)]
         return SectionProfile(int(scale * active), int(scale * (self._stored[t] - self._stored[s])),
                               int(scale * transient), float(self._fwd[t] - self._fwd[s]))
 

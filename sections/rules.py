@@ -105,6 +105,13 @@ def resolve_boundaries(boundaries: Mapping[str, int], names: Sequence[str]) -> l
     return starts
 
 
+def check_probe_batch(probe_batch) -> None:
+    if probe_batch is not None and (isinstance(probe_batch, bool) or not isinstance(probe_batch, int)
+                                    or probe_batch < 1):
+        raise ValueError(f"probe_batch={probe_batch!r}: expected a positive int (examples the planner's probe "
+                         f"runs), or None (null in a config) for the real batch.")
+
+
 def check_section_count(sections: int, num_blocks: int, block_names: Sequence[str]) -> None:
     if sections > num_blocks:
         raise ValueError(f"sections={sections}: more sections than blocks; this network has {num_blocks} blocks"
