@@ -137,10 +137,15 @@ def verify_exact(engine, batch, examples: int = 64) -> dict:
     exact = bool(report["exact"]) and all(math.isfinite(e) for e in errors)  # NaN gradients equal nothing
     verdict = "equals" if exact else "DIFFERS FROM"
     strategy = getattr(engine, "strategy", type(engine).__name__)
+    allowed = report.get("tolerance", math.nan)
     log.info(f"exactness: one {strategy} step {verdict} a whole-graph step on {examples} examples "
-             f"(gradient relative error {report['gradient_rel_error']:.2g}, state max |difference| "
-             f"{report['state_max_abs_diff']:.2g}; worst: {report['worst_variable'] or '-'})")
+             f"(gradient relative error {report['gradient_rel_error']:.2g} over all variables, allowed "
+             f"{allowed:.2g}: the whole step's own rounding sensitivity is "
+             f"{report.get('sensitivity', math.nan):.2g}; "
+             f"state max |difference| {report['state_max_abs_diff']:.2g}; worst variable: "
+             f"{report['worst_variable'] or '-'})")
     return {"exact": exact, "exact_gradient_rel_error": report["gradient_rel_error"],
+            "exact_tolerance": allowed, "exact_sensitivity": report.get("sensitivity", math.nan),
             "exact_state_max_abs_diff": report["state_max_abs_diff"],
             "exact_worst_variable": report["worst_variable"]}
 

@@ -12,6 +12,8 @@ import tensorflow as tf
 # sectioned (4) vs whole-graph on the notebook ResNet, 64 examples, 3 seeds: up to 7.8e-3 (float16) and 2.5e-2
 # (bfloat16), while each differs from float32 by 0.17-0.23 and 0.64 (docs/notes/precision.md).
 TOLERANCE = {"float32": 1e-4, "float16": 2.0**-6, "bfloat16": 2.0**-3}
+# One unit of rounding (the spacing of numbers just above 1) in each compute dtype.
+ROUNDING = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
 def loss_scale(optimizer):
