@@ -5,6 +5,10 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from sections.allocator import configure  # noqa: E402  (plain Python: TensorFlow is not loaded yet)
+
+configure()  # memory statistics on every CPU: must happen before TensorFlow loads
+
 from runner.app import CONF, main  # noqa: E402
 from runner.errors import ConfigError, full_errors  # noqa: E402
 from runner.help import cut_names_section, wants_help  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from contextlib import ExitStack
 
@@ -16,6 +17,14 @@ def human_bytes(n: float) -> str:
         n /= 1024
 
 
+def _columns() -> int:
+    """The terminal's width (0 where it reports none: a bar would draw nothing, so log lines instead)."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        return 0
+
+
 class Progress:
     """`mode`: bar, log, or auto (a bar when stderr is a terminal)."""
 
@@ -23,7 +32,7 @@ class Progress:
         self.total, self.log_every = total, log_every
         self.bar = None
         self._stack = ExitStack()
-        if mode == "bar" or (mode == "auto" and sys.stderr.isatty()):
+        if mode == "bar" or (mode == "auto" and sys.stderr.isatty() and _columns() > 0):
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -31,7 +40,7 @@ class Progress:
             self.bar = self._stack.enter_context(tqdm(total=total, initial=start, unit="step", dynamic_ncols=True))
 
     def update(self, step: int, loss: float, examples_per_second: float, peak_bytes: int | None) -> None:
-        peak = human_bytes(peak_bytes) if peak_bytes is not None else "n/a"
+        peak = human_bytes(peak_bytes) if peak_bytes is not None else "not measured"
         if self.bar is not None:
             self.bar.set_postfix({"loss": f"{loss:.4f}", "ex/s": f"{examples_per_second:.0f}", "peak": peak},
                                  refresh=False)

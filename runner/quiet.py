@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 
 _LINE = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ (\S+\] .*)$")
 _LEVELS = "IWEF"
@@ -22,7 +23,9 @@ _BANNER = "WARNING: All log messages before absl::InitializeLog() is called are 
 
 
 def load_tensorflow():
-    """`import tensorflow` and list its devices with the C++ lines filtered; returns the module."""
+    """`import tensorflow` and list its devices with the C++ lines filtered; returns the module. The engine's
+    warning about missing memory statistics is left to the run's header, which says it."""
+    warnings.filterwarnings("ignore", message="sectionflow: the allocator", category=RuntimeWarning)
     if "tensorflow" in sys.modules and getattr(load_tensorflow, "done", False):
         return sys.modules["tensorflow"]
     sys.stderr.flush()

@@ -73,6 +73,7 @@ class RunRecord:
                  + (f", precision {precision}" if (precision := cfg.train.get("precision", "float32")) != "float32"
                     else ""),
                  f"device: {device}" + _topology(self.setup),
+                 _memory_line(self.setup.engine),
                  table,
                  f"full config: {self.out / 'config.yaml'}"]
         return "\n".join(lines)
@@ -182,6 +183,18 @@ def device_name() -> str:
     return f"CPU {cpu}, {os.cpu_count()} cores (no GPU)"
 
 
+def _memory_line(engine) -> str:
+    """Where memory is measured, or that it is not, and the CPU allocator setting in effect."""
+    from sections.allocator import describe
+
+    meter = getattr(engine, "meter", None)
+    if meter is not None and meter.available:
+        where = f"memory: measured on {', '.join(meter.devices)}"
+    else:
+        where = "memory: NOT MEASURED (the allocator keeps no statistics; set TF_CPU_ALLOCATOR_USE_BFC=true)"
+    return f"{where}; {describe(os.environ)}"
+
+
 def summary(metrics: dict) -> str:
     """The final figures as a short two-column table."""
     metric = metrics.get("metric")
@@ -192,7 +205,8 @@ def summary(metrics: dict) -> str:
     rows += [("median step", f"{metrics['median_step_seconds']:.4g} s" if metrics.get("median_step_seconds")
               else "-"),
              ("examples/s", _num(metrics.get("examples_per_second"), ".0f")),
-             ("step peak", human_bytes(metrics["step_peak_bytes"]) if metrics.get("step_peak_bytes") else "n/a"),
+             ("step peak", human_bytes(metrics["step_peak_bytes"]) if metrics.get("step_peak_bytes") is not None
+              else "not measured (the allocator keeps no statistics)"),
              ("forward runs", metrics.get("forward_runs_per_section"))]
     if "rerun_flops" in metrics:
         rows.append(("re-run FLOPs", f"{metrics['rerun_flops']:.3g}"))

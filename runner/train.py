@@ -23,7 +23,7 @@ log = logging.getLogger("runner")
 def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, restore_from: Path | None = None) -> float:
     """Train `cfg.train.steps` steps (continuing `cfg.resume`, whose folder is `out`); returns the eval metric.
     `restore_from`: where a resumed run's checkpoints are read, when not `out/checkpoints` (another worker)."""
-    from sections import ReplayMismatchError
+    from sections import BudgetExceededError, ReplayMismatchError
 
     from runner.checkpoint import Checkpoints
     from runner.record import RunRecord
@@ -63,7 +63,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
                     began = time.perf_counter()
                     try:
                         stats = engine.train_step(batch)
-                    except ReplayMismatchError as err:
+                    except (ReplayMismatchError, BudgetExceededError) as err:
                         raise RunnerError(f"step {step}: {err}") from err
                     seconds = time.perf_counter() - began
                     profiler.after(step)
@@ -163,6 +163,7 @@ def describe_setup(engine, batch: int) -> dict:
         "section_blocks": [len(s.block_names) for s in engine.sections],
         "policies": [s.policy for s in engine.sections],
         "num_blocks": len(engine.network.blocks),
+        "memory_measured": bool(getattr(getattr(engine, "meter", None), "available", False)),
     }
     if getattr(engine, "plan", None) is not None:
         info.update(memory_budget_bytes=engine.plan.budget, predicted_peak_bytes=engine.plan.predicted_peak)

@@ -131,10 +131,14 @@ class Trainer:
         return loss, unscale(grads, self.optimizer)
 
     def _stats(self, loss, device_peaks: dict, peaks: list | None = None) -> dict:
-        """A step's report: the loss averaged over replicas, forward runs, per-section and per-device peaks."""
+        """A step's report: the loss averaged over replicas, forward runs, per-section and per-device peaks
+        (``None`` where the allocator keeps no statistics)."""
+        if not self.meter.available:  # nothing measured: never reported as 0 bytes
+            peaks, device_peaks = None, {d: None for d in device_peaks}
         return {"loss": self.replicas.mean(loss), "forward_runs": self._read_counters(),
                 "peak_bytes": peaks if peaks is not None else [None] * len(self.sections),
-                "step_peak_bytes": max(device_peaks.values()), "device_peak_bytes": device_peaks}
+                "step_peak_bytes": max(device_peaks.values()) if self.meter.available else None,
+                "device_peak_bytes": device_peaks}
 
     def _scale_loss(self, loss):
         """The loss whose gradients a step applies: the optimizer's own scaling (a ``LossScaleOptimizer``'s

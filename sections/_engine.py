@@ -19,9 +19,14 @@ from ._replicas import local_size
 from ._schedule import Schedule
 from ._structure import nbytes
 
-__all__ = ["Engine", "ReplayMismatchError"]
+__all__ = ["Engine", "ReplayMismatchError", "BudgetExceededError"]
 log = logging.getLogger("sections")
 _KEEP_INPUT = Recompute()
+MAX_REPLANS = 3  # corrections of the cost model by measured steps before a step over the budget stops
+
+
+class BudgetExceededError(ValueError):
+    """A step's measured peak went over ``memory_budget`` and no plan with corrected costs fits it."""
 
 
 class Engine(Trainer):
@@ -85,12 +90,20 @@ class Engine(Trainer):
         self.profiles = None
         self.schedule: Schedule | None = None
         self.replans: list[str] = []
+        self._activation_scale = 1.0  # the planner's activation costs times this: corrected by measured steps
+        self._plan_kept = False
 
     # ------------------------------------------------------------------ partition
     def _settle(self, batch):
         if self._fixed is not None:
             schedule = self._fixed
         elif self._sections_arg == "auto":
+            if not self.meter.available:
+                from .allocator import missing_statistics_advice
+
+                raise ValueError(f"sections='auto' plans on measured memory, but the allocator of "
+                                 f"{', '.join(self.meter.devices)} keeps no statistics: "
+                                 f"{missing_statistics_advice()}.")
             real = self._probe[1]
             small, _ = probe_slice(self.network, batch, self.probe_batch or real)
             self.profiles = profile_blocks(self.network, small, real, self.meter)
@@ -137,7 +150,7 @@ class Engine(Trainer):
         apply_peaks = self.meter.peaks()
         device_peaks = {d: max(p, apply_peaks[d]) for d, p in step_peak.items()}
         stats = self._stats(loss, device_peaks, peaks)
-        if self.plan is not None and not self.replans:
+        if self.plan is not None:
             # The plan is per replica; replicas on logical CPU devices share one allocator (read as their total).
             sharing = max(1, len(self.replicas.devices()) // len(self.meter.devices))
             self._replan_if_over(stats["step_peak_bytes"] // sharing)
@@ -252,26 +265,38 @@ class Engine(Trainer):
         return loss, grads, peaks, step_peak
 
     def _replan_if_over(self, measured: int) -> None:
-        """The first measured step above the plan's prediction corrects the cost model and re-plans."""
+        """Every step: a measured peak above the plan's prediction corrects the cost model and re-plans (up to
+        ``MAX_REPLANS`` times); a step over the budget when no corrected plan fits stops training."""
         hb, old = rules.human_bytes, self.plan
         if measured <= old.predicted_peak:
             return
-        scale = (measured - old.base_bytes) / max(1, old.predicted_peak - old.base_bytes)
+        over_budget = measured > old.budget
+        scale = self._activation_scale * (measured - old.base_bytes) / max(1, old.predicted_peak - old.base_bytes)
         over = f"measured step peak {hb(measured)} exceeded the plan's prediction {hb(old.predicted_peak)}"
-        try:
-            self.plan = self._plan(scale)
-        except ValueError as err:
-            if measured > old.budget:
-                raise ValueError(f"{over} and the budget {hb(old.budget)}; with activation costs corrected by "
-                                 f"{scale:.3g}: {err}") from None
-            # Inside the budget all the same (the margin absorbed the error): the plan stays.
-            self._log_replan(f"{over} but not the budget {hb(old.budget)}; with activation costs scaled by "
-                             f"{scale:.3f} no plan fits inside the safety margin, so the plan stays")
+        if len(self.replans) >= MAX_REPLANS:
+            if over_budget:
+                raise BudgetExceededError(f"{over} and the budget {hb(old.budget)} after {len(self.replans)} "
+                                          f"corrections of the cost model; give a larger memory_budget") from None
             return
-        self._log_replan(f"{over}; activation costs scaled by {scale:.3f} and re-planned: "
-                         f"{len(old.schedule.starts) + 1} -> {len(self.plan.schedule.starts) + 1} sections, "
-                         f"predicted peak {hb(self.plan.predicted_peak)}")
-        self.schedule = self.plan.schedule
+        try:
+            plan = self._plan(scale)
+        except ValueError as err:
+            if over_budget:
+                raise BudgetExceededError(f"{over} and the budget {hb(old.budget)}; with activation costs corrected "
+                                          f"by {scale:.3g}: {err}") from None
+            if not self._plan_kept:  # inside the budget all the same (the margin absorbed the error): it stays
+                self._plan_kept = True
+                self._log_replan(f"{over} but not the budget {hb(old.budget)}; with activation costs scaled by "
+                                 f"{scale:.3f} no plan fits inside the safety margin, so the plan stays")
+            return
+        self._activation_scale, self.plan = scale, plan
+        budget_note = f" (over the budget {hb(old.budget)})" if over_budget else ""
+        self._log_replan(f"{over}{budget_note}; activation costs scaled by {scale:.3f} and re-planned: "
+                         f"{len(old.schedule.starts) + 1} -> {len(plan.schedule.starts) + 1} sections, "
+                         f"predicted peak {hb(plan.predicted_peak)}")
+        if plan.schedule == self.schedule:
+            return
+        self.schedule = plan.schedule
         starts, policies = list(self.schedule.starts), [p.name for p in self.schedule.policies]
         self._make_sections(starts, policies)
         self._counters = self._make_counters()

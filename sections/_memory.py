@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import tensorflow as tf
+
+from .allocator import missing_statistics_advice
+
+_warned = False
 
 
 def default_device() -> str:
@@ -26,7 +31,8 @@ class MemoryMeter:
     """Reads ``tf.config.experimental.get_memory_info`` for one device or several (a strategy's replicas).
 
     ``peak()`` is the largest device's peak; ``peaks()`` each device's. On devices whose allocator keeps no
-    statistics the meter is ``available == False`` and reads 0.
+    statistics the meter is ``available == False`` and reads 0; trainers then report ``None`` ("not measured"),
+    the planner refuses to plan, and the first such meter in a process warns once, saying what to set.
     """
 
     def __init__(self, device: str | Sequence[str] | None = None):
@@ -39,6 +45,7 @@ class MemoryMeter:
             self.available = True
         except (ValueError, RuntimeError, tf.errors.OpError):
             self.available = False
+            _warn_once(self.devices)
 
     def _sync(self) -> None:
         # GPU execution is asynchronous: the peak is only final once queued kernels have run.
@@ -67,3 +74,13 @@ class MemoryMeter:
             return 0
         self._sync()
         return max(int(tf.config.experimental.get_memory_info(d)["current"]) for d in self.devices)
+
+
+def _warn_once(devices) -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(f"sectionflow: the allocator of {', '.join(devices)} keeps no memory statistics, so no memory is "
+                  f"measured (peaks read as not measured, sections='auto' cannot plan); "
+                  f"{missing_statistics_advice()}.", RuntimeWarning, stacklevel=3)

@@ -2,6 +2,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from sections.allocator import configure  # noqa: E402
+
+configure()  # the project's own CPU allocator setting (memory statistics on every CPU), as the runner's
+
 
 def _two_logical_cpus() -> None:
     """Split the CPU into 2 logical devices before TensorFlow initializes them, so MirroredStrategy tests
