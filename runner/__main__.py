@@ -11,7 +11,7 @@ configure()  # memory statistics on every CPU: must happen before TensorFlow loa
 
 from runner.app import CONF, main  # noqa: E402
 from runner.errors import ConfigError, full_errors  # noqa: E402
-from runner.help import cut_names_section, wants_help  # noqa: E402
+from runner.help import cut_names_section, help_args, wants_help  # noqa: E402
 from runner.overrides import check_overrides  # noqa: E402
 
 if __name__ == "__main__":
@@ -23,6 +23,10 @@ if __name__ == "__main__":
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     if wants_help(sys.argv[1:]):
+        kept, dropped = help_args(sys.argv[1:])
+        sys.argv[1:] = kept
+        if dropped:
+            print(f"(--help shows one run's config: sweep values left out: {' '.join(dropped)})", flush=True)
         code = 0
         try:
             main()  # Hydra prints its help (and exits)

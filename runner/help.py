@@ -24,6 +24,26 @@ def wants_help(args: list[str]) -> bool:
     return any(a in ("--help", "-h") for a in args)
 
 
+def help_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """The command line `--help` can show (Hydra composes help as one run: sweep overrides and `-m` would fail),
+    and the sweep overrides left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, kept, dropped = OverridesParser.create(), [], []
+    for a in args:
+        if a in ("-m", "--multirun"):
+            continue
+        if "=" in a and not a.startswith("-"):
+            try:
+                if parser.parse_overrides([a])[0].is_sweep_override():
+                    dropped.append(a)
+                    continue
+            except Exception:  # noqa: BLE001 - Hydra's own help reports a malformed override
+                pass
+        kept.append(a)
+    return kept, dropped
+
+
 def cut_names_section(args: list[str], conf_dir: str, width: int = 100) -> str | None:
     """The `--help` section listing the chosen Keras model's cut names, or None for other models."""
     from hydra import compose, initialize_config_dir

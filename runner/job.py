@@ -47,7 +47,7 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
         report(err)
         _write(out, sweep, status | {"status": "failed", "error": str(err)})
         if sweep:
-            return float("nan")
+            return _failed_value(hc)
         sys.exit(err.exit_code)
     except Exception as err:
         if not sweep:
@@ -55,7 +55,7 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
         (out / "error.txt").write_text(traceback.format_exc())
         log.error(f"job failed: {type(err).__name__}: {err} (traceback in {out / 'error.txt'})")
         _write(out, sweep, status | {"status": "failed", "error": f"{type(err).__name__}: {err} (see error.txt)"})
-        return float("nan")
+        return _failed_value(hc)
     _write(out, sweep, status | {"status": "completed", "value": value, "metric": _metric_name(out)})
     return value
 
@@ -84,6 +84,18 @@ def _signals_before_the_loop(sweep: bool):
 def _newest(out: Path) -> str:
     saved = sorted((out / "checkpoints").glob("ckpt-*.index"), key=lambda p: int(p.stem.split("-")[1]))
     return f"resume={out} continues from {saved[-1].with_suffix('')}" if saved else "nothing was saved"
+
+
+def _failed_value(hc) -> float:
+    """What a failed sweep job returns: NaN, or for Optuna (whose study rejects NaN, and whose Hydra plugin then
+    stops the sweep) the worst value in the study's direction, so the trial counts as the worst and the study goes
+    on. The job's status.json says it failed either way, and the sweep's summary lists it."""
+    sweeper = hc.sweeper
+    if "optuna" not in str(sweeper.get("_target_", "")).lower():
+        return float("nan")
+    direction = sweeper.get("direction", "minimize")
+    direction = direction[0] if not isinstance(direction, str) else direction  # multi-objective: the first
+    return float("-inf") if str(direction).lower().endswith("maximize") else float("inf")
 
 
 def _metric_name(out: Path) -> str:

@@ -78,13 +78,18 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+# One letter per policy in the table (its legend says which): re-run, store, multi-level re-create.
+POLICY_LETTERS = {"recompute": "r", "store": "s", "recreate": "c"}
+
+
 def table(runs: list[dict]) -> str:
     head = ("| job | strategy | sections | policy | batch | median step s | time / whole | peak MiB | peak / whole "
             "| forward runs | exact | planner predicted MiB | metric |\n" + "|---" * 13 + "|")
+    legend = "\n\npolicy: r = recompute, s = store, c = recreate (multi-level recompute)"
     rows = []
     order = {"whole": 0, "recompute_grad": 1, "sectioned": 2}
     for r in sorted(runs, key=lambda r: (r["batch"], order.get(r["strategy"], 3), r["num_sections"], label(r))):
-        policies = ",".join(p[0] for p in r["policies"])  # r = recompute, s = store
+        policies = ",".join(POLICY_LETTERS.get(p, p) for p in r["policies"])
         predicted = r.get("predicted_peak_bytes")
         rows.append(
             f"| {r.get('folder', '-')} | {r['strategy']}{_precision(r)} "
@@ -93,7 +98,7 @@ def table(runs: list[dict]) -> str:
             f"| {_fmt(r['step_peak_bytes'] and r['step_peak_bytes'] / MiB, '.0f')} | {_fmt(r['peak_ratio'], '.2f')} "
             f"| {r.get('forward_runs_per_section')} | {'yes' if r.get('exact') else 'no' if 'exact' in r else '-'} "
             f"| {_fmt(predicted and predicted / MiB, '.0f')} | {_metric(r)} |")
-    return head + "\n" + "\n".join(rows)
+    return head + "\n" + "\n".join(rows) + legend
 
 
 def _metric(run: dict) -> str:

@@ -209,3 +209,21 @@ def test_two_job_sweep_through_the_slurm_launcher_submits_one_array(tmp_path, fa
     for job in jobs:
         assert json.loads((job / "status.json").read_text())["status"] == "completed"
     assert "[sweep] 2 jobs, 2 completed, 0 failed" in proc.stdout
+
+
+def test_optuna_experiments_let_a_failed_trial_go_by():
+    for experiment in ("optuna_mlp", "optuna_gpt"):
+        assert hydra_config(f"experiment={experiment}").sweeper.max_failure_rate == 1.0
+
+
+@pytest.mark.slow  # ~20 s
+def test_a_failing_optuna_trial_does_not_stop_the_study(tmp_path):
+    """optuna 2.10 rejects the NaN a failed job returns; the trial is recorded as failed and the study goes on."""
+    sweep = tmp_path / "sweep"
+    proc = runner("-m", "experiment=optuna_mlp", *[a for a in SMALL if not a.startswith("train.steps")],
+                  "hydra.sweeper.n_trials=4", "train.steps=choice(2,-1)", f"hydra.sweep.dir={sweep}")
+    statuses = [json.loads((job / "status.json").read_text())["status"] for job in job_folders(sweep)]
+    assert len(statuses) == 4 and "failed" in statuses and "completed" in statuses, (statuses, proc.stderr[-2000:])
+    failed = statuses.count("failed")
+    assert f"[sweep] 4 jobs, {4 - failed} completed, {failed} failed" in proc.stdout
+    assert (sweep / "optimization_results.yaml").is_file()

@@ -62,3 +62,11 @@ def test_report_without_a_whole_baseline_skips_the_frontier_saying_why(tmp_path,
     assert not (tmp_path / "frontier.png").exists() and (tmp_path / "peak_vs_batch.png").is_file()
     assert "skipped frontier.png: no `whole` run" in capsys.readouterr().err
     assert "Not drawn: frontier.png" in (tmp_path / "report.md").read_text()
+
+
+def test_policies_each_have_their_own_letter():
+    from runner.report import table
+
+    text = table(with_ratios([run("whole", 1, 512, 2.0, 400),
+                              run("sectioned", 3, 512, 2.5, 160, policies=["store", "recreate", "recompute"])]))
+    assert "| s,c,r |" in text and "c = recreate" in text

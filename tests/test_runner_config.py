@@ -214,3 +214,14 @@ def test_an_uncreatable_run_folder_is_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: hydra.run.dir={blocker / 'run'}: cannot create the run folder"), proc.stderr
+
+
+def test_help_with_a_sweep_on_the_command_line_shows_help_not_a_traceback():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-m", "runner", "-m", "batch=16,32", "model=mlp", "--help"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "sweep values left out: batch=16,32" in proc.stdout and "== Config (override any key" in proc.stdout
