@@ -69,7 +69,7 @@ def setup() -> None:
 def main(argv: list[str]) -> int:
     commands = {
         "run": [str(PYTHON), "-m", "runner"],
-        "test": [str(PYTHON), "-m", "pytest", "-q", "-m", "not slow"],
+        "test": [str(PYTHON), "-m", "pytest", "-q", "-m", "not slow", "--durations=10"],
         "test-all": [str(PYTHON), "-m", "pytest", "-q"],
         "setup": None,
     }
