@@ -7,7 +7,7 @@ does not import TensorFlow.
 from importlib import import_module
 
 _EXPORTS = {
-    "Engine": "._engine", "ReplayMismatchError": "._engine",
+    "Engine": "._engine", "ReplayMismatchError": "._engine", "SectionedModel": "._fit",
     "WholeGraph": "._peers", "RecomputeGrad": "._peers",
     "Network": "._network", "Block": "._network",
     "Section": "._partition",
