@@ -103,8 +103,10 @@ def xent_args(metrics=("accuracy",)):
 
 # ---------------------------------------------------------------- exactness
 
-@pytest.mark.parametrize("sections,policy", [(3, "recompute"), (["res_out"], "store"), ("auto", "recompute")],
-                         ids=["3-recompute", "names-store", "auto"])
+@pytest.mark.parametrize("sections,policy", [
+    (3, "recompute"), (["res_out"], "store"),
+    pytest.param("auto", "recompute", marks=pytest.mark.slow),  # 5 s on 2 idle cores: the planner's probe
+], ids=["3-recompute", "names-store", "auto"])
 def test_fit_equals_plain_fit(sections, policy):
     x, y = images()
     vx, vy = images(16, seed=1)
@@ -140,19 +142,19 @@ def test_multi_output_loss_dict_and_loss_weights():
     assert_same_update(plain, model, start)
 
 
-def test_sample_weight_and_class_weight():
+@pytest.mark.parametrize("weighting", ["sample_weight", pytest.param("class_weight", marks=pytest.mark.slow)])
+def test_sample_weight_and_class_weight(weighting):
     x, y = images()
-    w = np.linspace(0.2, 2.0, len(y)).astype("float32")
-    for fit_args in (lambda: dict(x=x, y=y, sample_weight=w, batch_size=BATCH, shuffle=False),
-                     lambda: dict(x=x, y=y, class_weight={0: 0.5, 1: 2.0, 2: 1.0, 3: 3.0}, batch_size=BATCH,
-                                  shuffle=False)):
-        plain, ref, model, got, _, start = fit_both(
-            conv_net, xent_args(), fit_args, sections=2)
-        assert_same_history(ref, got)
-        assert_same_update(plain, model, start)
+    weights = dict(sample_weight=np.linspace(0.2, 2.0, len(y)).astype("float32"),
+                   class_weight={0: 0.5, 1: 2.0, 2: 1.0, 3: 3.0})
+    plain, ref, model, got, _, start = fit_both(
+        conv_net, xent_args(), lambda: dict(x=x, y=y, batch_size=BATCH, shuffle=False,
+                                            **{weighting: weights[weighting]}), sections=2)
+    assert_same_history(ref, got)
+    assert_same_update(plain, model, start)
 
 
-@pytest.mark.parametrize("source", ["tf.data", "generator"])
+@pytest.mark.parametrize("source", ["tf.data", pytest.param("generator", marks=pytest.mark.slow)])
 def test_dataset_and_generator_inputs(source):
     x, y = images()
 
@@ -169,6 +171,44 @@ def test_dataset_and_generator_inputs(source):
                                                 sections=2)
     assert_same_history(ref, got)
     assert_same_update(plain, model, start)
+
+
+@pytest.mark.parametrize("policy,jit", [
+    pytest.param("float32", True, marks=pytest.mark.slow),  # XLA compiles every section: 18 s on 2 busy cores
+    pytest.param("mixed_float16", False, marks=pytest.mark.slow),  # float16 has no fast CPU kernels
+    ("mixed_bfloat16", False),
+], ids=["jit_compile", "mixed_float16", "mixed_bfloat16"])
+def test_jit_compile_and_mixed_precision(policy, jit):
+    """compile(jit_compile=True) compiles the sections with XLA (the reference is plain fit under XLA: XLA
+    draws its own dropout bits); a mixed policy's LossScaleOptimizer scales the sections' loss."""
+    x, y = images()
+    keras.mixed_precision.set_dtype_policy(policy)
+    try:
+        compile_args = lambda: dict(**xent_args()(), jit_compile=jit)  # noqa: E731
+        plain, ref, model, got, wrapped, start = fit_both(
+            conv_net, compile_args, lambda: dict(x=x, y=y, batch_size=BATCH, epochs=1, shuffle=False))
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    assert wrapped.engine.jit_compile is jit
+    assert (type(wrapped.optimizer).__name__ == "LossScaleOptimizer") is (policy == "mixed_float16")
+    assert_same_history(ref, got)
+    assert_same_update(plain, model, start)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,sections", [("ResNet50", 4), ("MobileNetV2", ["block_3_expand", "block_6_expand"])])
+def test_keras_applications_fit_equals_plain_fit(name, sections):
+    """keras.applications models: batch norm everywhere, residual adds across cuts, Adam."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, 16)
+    factory = lambda: getattr(keras.applications, name)(weights=None, input_shape=(32, 32, 3), classes=10)  # noqa: E731
+    compile_args = lambda: dict(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),  # noqa: E731
+                                loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    plain, ref, model, got, _, start = fit_both(
+        factory, compile_args, lambda: dict(x=x, y=y, batch_size=8, epochs=1, shuffle=False), sections=sections)
+    assert_same_history(ref, got, rtol=1e-4)
+    assert_same_update(plain, model, start, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- callbacks
@@ -223,6 +263,7 @@ def test_backup_and_restore_resume_equals_uninterrupted(tmp_path):
     assert_same_update(plain, model, start)
 
 
+@pytest.mark.slow
 def test_backup_and_restore_with_dropout_resumes_as_keras_does(tmp_path):
     """Keras's weights files leave out seed-generator states, so after a resume dropout draws other masks
     than the uninterrupted run: plain Keras's own resume is the reference."""
@@ -304,6 +345,7 @@ def test_tensorboard_gets_section_memory_beside_keras_scalars(tmp_path):
 
 # ---------------------------------------------------------------- tf.distribute
 
+@pytest.mark.slow  # plain fit's tracing under the strategy: 8 s alone, 30 s on 2 busy cores
 def test_mirrored_strategy_equals_plain_fit_under_it():
     cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
     if len(cpus) < 2:
