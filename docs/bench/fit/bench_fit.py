@@ -86,7 +86,10 @@ def run_variant(args) -> dict:
         if kind == "sectioned":
             result["sections"] = len(fit_model.engine.sections)
     except Exception as e:  # a mode that fails inside fit is reported, not hidden
-        result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        import re
+
+        text = " ".join(l.strip() for l in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines() if l.strip())
+        result["error"] = f"{type(e).__name__}: {text[:240]}"
     return result
 
 
