@@ -36,14 +36,17 @@ def conv_net(classes=4, reg=True, dropout=0.3, size=8):
 
 
 def two_heads():
+    """Two inputs (the second joins after the first section) and two outputs."""
     inp = keras.Input((6,), name="features")
+    side = keras.Input((2,), name="side")
     h = keras.layers.Dense(16, activation="relu", name="d1")(inp)
     h = keras.layers.BatchNormalization(name="bn")(h)
     h = keras.layers.Dense(16, activation="tanh", name="d2")(h)
+    h = keras.layers.Concatenate(name="join")([h, side])
     h = keras.layers.Dropout(0.2, name="drop")(h)
     cls = keras.layers.Dense(3, activation="softmax", name="cls")(h)
     reg = keras.layers.Dense(1, name="reg")(h)
-    return keras.Model(inp, {"cls": cls, "reg": reg}, name="two_heads")
+    return keras.Model([inp, side], {"cls": cls, "reg": reg}, name="two_heads")
 
 
 def built(factory, seed=7):
@@ -127,9 +130,9 @@ def test_fit_equals_plain_fit(sections, policy):
     np.testing.assert_allclose(wrapped.predict(vx, verbose=0), plain.predict(vx, verbose=0), rtol=1e-5, atol=1e-6)
 
 
-def test_multi_output_loss_dict_and_loss_weights():
+def test_multi_input_multi_output_loss_dict_and_loss_weights():
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(32, 6)).astype("float32")
+    x = {"features": rng.normal(size=(32, 6)).astype("float32"), "side": rng.normal(size=(32, 2)).astype("float32")}
     y = {"cls": rng.integers(0, 3, 32), "reg": rng.normal(size=(32, 1)).astype("float32")}
     compile_args = lambda: dict(  # noqa: E731
         optimizer=keras.optimizers.Adam(1e-2), loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
