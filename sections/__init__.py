@@ -8,6 +8,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "Engine": "._engine", "ReplayMismatchError": "._engine", "BudgetExceededError": "._engine",
+    "SectionedModel": "._fit",
     "WholeGraph": "._peers", "RecomputeGrad": "._peers",
     "Network": "._network", "Block": "._network",
     "Section": "._partition",
