@@ -144,9 +144,10 @@ class SectionedModel(keras.Model):
             batch["sample_weight"] = sample_weight
         stats = self.engine.train_step(batch)
         self.section_stats = stats
-        self._epoch_peak = max(self._epoch_peak, stats["step_peak_bytes"])
         logs = self.get_metrics_result()
-        logs["step_peak_MiB"] = self._epoch_peak / _MiB
+        if stats["step_peak_bytes"] is not None:  # None: the allocator keeps no statistics (not measured)
+            self._epoch_peak = max(self._epoch_peak, stats["step_peak_bytes"])
+            logs["step_peak_MiB"] = self._epoch_peak / _MiB
         return logs
 
     def _network_loss(self, outputs, batch):
@@ -244,7 +245,7 @@ class _SectionTelemetry(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         stats = getattr(self.model, "section_stats", None)
-        if not stats:
+        if not stats or stats["step_peak_bytes"] is None:  # nothing measured: no memory tags
             return
         peaks = [p or 0 for p in stats["peak_bytes"]]
         self._peaks = [max(a, b) for a, b in zip(self._peaks, peaks)] if len(self._peaks) == len(peaks) else peaks
@@ -256,9 +257,10 @@ class _SectionTelemetry(keras.callbacks.Callback):
             return
         writer = self.board._train_writer
         with writer.as_default():
-            for k, peak in enumerate(self._peaks):
-                tf.summary.scalar(f"memory_MiB/section_{k}", peak / _MiB, step=epoch)
-            tf.summary.scalar("memory_MiB/step_peak", self._step_peak / _MiB, step=epoch)
+            if stats["step_peak_bytes"] is not None:
+                for k, peak in enumerate(self._peaks):
+                    tf.summary.scalar(f"memory_MiB/section_{k}", peak / _MiB, step=epoch)
+                tf.summary.scalar("memory_MiB/step_peak", self._step_peak / _MiB, step=epoch)
             for k, runs in enumerate(stats["forward_runs"]):
                 tf.summary.scalar(f"forward_runs/section_{k}", runs, step=epoch)
         writer.flush()
