@@ -35,6 +35,7 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
         tf.config.experimental.enable_op_determinism()
 
     data = instantiate(cfg.data, "data")
+    _check_batch_fits(cfg, data)
     model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
     data_args = dict(getattr(data, "model_args", {}) or {})
     # A key the model config sets itself (keras_app's input_shape) wins; the builder sees the data's as data_args.
@@ -55,6 +56,15 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
     except ValueError as err:
         raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
     return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy)
+
+
+def _check_batch_fits(cfg: DictConfig, data) -> None:
+    """Refuse, before the first batch is made, a batch that the machine's memory cannot hold."""
+    from runner.sizes import check_batch_fits
+
+    spec = getattr(data.train_batches(cfg.batch, cfg.train.seed), "element_spec", None)  # lazy: nothing allocated
+    if spec is not None:
+        check_batch_fits(cfg.batch, spec)
 
 
 def resolve_sections(cfg: DictConfig):

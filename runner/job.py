@@ -50,6 +50,15 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
             return float("nan")
         sys.exit(err.exit_code)
     except Exception as err:
+        from runner.files import no_space, write_error
+
+        if no_space(err) and not full_errors():  # a write this runner does not make itself (Hydra's, TF's)
+            failure = write_error(f"into {out}", err)
+            report(failure)
+            _write(out, sweep, status | {"status": "failed", "error": str(failure)})
+            if sweep:
+                return float("nan")
+            sys.exit(failure.exit_code)
         if not sweep:
             raise
         (out / "error.txt").write_text(traceback.format_exc())
@@ -93,4 +102,7 @@ def _metric_name(out: Path) -> str:
 
 def _write(out: Path, sweep: bool, status: dict) -> None:
     if sweep:
-        (out / JOB_STATUS).write_text(json.dumps(status, indent=1))
+        try:
+            (out / JOB_STATUS).write_text(json.dumps(status, indent=1))
+        except OSError as err:  # a full disk: the sweep's summary counts the job as not finished
+            log.error(f"could not write {out / JOB_STATUS}: {err.strerror or err}")
