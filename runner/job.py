@@ -28,6 +28,15 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
     out = Path(hc.runtime.output_dir)
     sweep = hc.mode == RunMode.MULTIRUN
     status = {"overrides": list(hc.overrides.task)}
+    from runner import isolate
+
+    if sweep and isolate.available():
+        return isolate.run_in_child(lambda: _guarded(job, cfg, out, sweep, status),
+                                    lambda outcome: _write(out, sweep, status | outcome), f"sweep job {out}")
+    return _guarded(job, cfg, out, sweep, status)
+
+
+def _guarded(job, cfg: DictConfig, out: Path, sweep: bool, status: dict) -> float:
     try:
         with _signals_before_the_loop(sweep):
             value = job(cfg, out)

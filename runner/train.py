@@ -233,6 +233,9 @@ class StopOnSignal:
         return self
 
     def _handle(self, signum, frame):
+        if self.requested and signum == self._signum and time.monotonic() - self._at < 1.0:
+            return  # the same signal twice at once: sent to the job and passed on by its sweep's process
+        self._signum, self._at = signum, time.monotonic()
         if self.requested:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt

@@ -420,3 +420,44 @@ def test_a_failed_download_leaves_no_empty_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="downloading .* failed"):
         mnist(path=str(path), origin="http://127.0.0.1:9/mnist.npz")
     assert sorted(tmp_path.iterdir()) == []
+
+
+# 6. Sweeps survive dying workers --------------------------------------------------------------------------------
+
+def test_a_sweep_job_whose_process_dies_is_recorded_with_the_cause(tmp_path):
+    import signal
+
+    from runner.isolate import run_in_child
+
+    recorded = []
+    assert run_in_child(lambda: 0.25, recorded.append, "job 0") == 0.25 and recorded == []
+    value = run_in_child(lambda: os.kill(os.getpid(), signal.SIGKILL), recorded.append, "job 1")
+    assert np.isnan(value) and len(recorded) == 1 and recorded[0]["status"] == "failed"
+    assert recorded[0]["error"].startswith("job 1: its process (PID ") and "killed by SIGKILL (kill -9, or the " \
+        "kernel's out-of-memory killer" in recorded[0]["error"]
+    assert np.isnan(run_in_child(lambda: os._exit(7), recorded.append, "job 2"))
+    assert recorded[1]["error"].endswith("exited with code 7 without a result")
+
+
+@pytest.mark.slow  # ~40 s: a joblib sweep of 4 jobs, each in its own TensorFlow process
+def test_a_joblib_sweep_goes_on_when_a_worker_is_killed(tmp_path):
+    import signal
+
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "runner", "-m", *SMALL, "train.steps=2,100000,2,2", "train.checkpoint_every=0",
+           "train.eval_every=0", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lock, deadline = sweep / "1" / "run.lock", time.monotonic() + 180
+        while not list((sweep / "1").glob("events.out.tfevents.*")) and time.monotonic() < deadline:
+            time.sleep(0.2)  # job 1 trains (until killed)
+        time.sleep(1)
+        os.kill(json.loads(lock.read_text())["pid"], signal.SIGKILL)  # as the out-of-memory killer would
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "4 jobs, 3 completed, 1 failed" in stdout and "Traceback" not in stderr, stdout + stderr[-3000:]
+    statuses = {n: json.loads((sweep / n / "status.json").read_text()) for n in "0123"}
+    assert [statuses[n]["status"] for n in "0123"] == ["completed", "failed", "completed", "completed"]
+    assert "killed by SIGKILL" in statuses["1"]["error"] and "killed by SIGKILL" in stderr.split("failed jobs:")[1]
