@@ -28,6 +28,7 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
     out = Path(hc.runtime.output_dir)
     sweep = hc.mode == RunMode.MULTIRUN
     status = {"overrides": list(hc.overrides.task)}
+    _log_files_survive_a_full_disk()
     from runner import isolate
 
     if sweep and isolate.available():
@@ -76,6 +77,29 @@ def _guarded(job, cfg: DictConfig, out: Path, sweep: bool, status: dict) -> floa
         return float("nan")
     _write(out, sweep, status | {"status": "completed", "value": value, "metric": _metric_name(out)})
     return value
+
+
+def _log_files_survive_a_full_disk() -> None:
+    """A log file that cannot be written (full disk) is closed with one warning on stderr, not a traceback per
+    message; the console keeps logging, and the run reports its own failure in one line."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and not getattr(handler, "_runner_guarded", False):
+            handler._runner_guarded = True
+            handler.handleError = _give_up_on(handler, handler.handleError)
+
+
+def _give_up_on(handler: logging.FileHandler, default):
+    def handle_error(record):
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            return default(record)
+        if handler.level > logging.CRITICAL:
+            return  # said once already
+        handler.setLevel(logging.CRITICAL + 1)  # nothing more goes to it through the loggers
+        print(f"warning: {handler.baseFilename}: {err.strerror or err}; the log file stops here", file=sys.stderr,
+              flush=True)
+
+    return handle_error
 
 
 class Terminated(BaseException):
