@@ -51,8 +51,8 @@ def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, or
         if "mnist.npz" in str(err):
             raise
         # numpy says "pickled data ... allow_pickle": any file that is not an .npz archive; unpickling is not the way
-        raise ValueError(f"{path!r} is not an .npz archive of arrays; set data.path to a Keras-format mnist.npz "
-                         f"(a path that does not exist yet downloads one there).") from None
+        raise ValueError(f"{path!r} is not a valid .npz file (no archive of arrays); set data.path to a "
+                         f"Keras-format mnist.npz (a path that does not exist yet downloads one there).") from None
     _check_shapes(path, arrays)
     images = {k: a if a.ndim == 4 else a[..., None] for k, a in arrays.items() if k.startswith("x")}
     return ImageSource("mnist", (images["x_train"], arrays["y_train"]), (images["x_test"], arrays["y_test"]),
