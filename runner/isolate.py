@@ -25,6 +25,9 @@ def available() -> bool:
 def run_in_child(job: Callable[[], float], record: Callable[[dict], None], describe: str) -> float:
     """`job()` in a forked child; returns its value. If the child dies without one, `record({...})` notes the
     cause (status and error) and NaN is returned; a signal that stopped the sweep stops this process too."""
+    from runner.quiet import preload_tensorflow
+
+    preload_tensorflow()  # once in this process, not once per job
     read, write = os.pipe()
     _flush()
     pid = os.fork()
