@@ -39,6 +39,10 @@ def holding(folder: Path):
 def acquire(folder: Path) -> Path:
     """Create `folder/run.lock` for this process, taking over a stale one; raises FolderLocked if held."""
     path = Path(folder) / LOCK
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunnerError(f"cannot create the run folder {folder}: {err.strerror or err}") from None
     me = {"pid": os.getpid(), "host": platform.node(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
           "start_ticks": _start_ticks(os.getpid())}
     for _ in range(3):
