@@ -487,3 +487,44 @@ def test_a_joblib_sweep_goes_on_when_a_worker_is_killed(tmp_path):
     statuses = {n: json.loads((sweep / n / "status.json").read_text()) for n in "0123"}
     assert [statuses[n]["status"] for n in "0123"] == ["completed", "failed", "completed", "completed"]
     assert "killed by SIGKILL" in statuses["1"]["error"] and "killed by SIGKILL" in stderr.split("failed jobs:")[1]
+
+
+@pytest.mark.slow  # ~100 s under load; needs root for a real tmpfs (skipped otherwise: the tests above patch the writers)
+def test_a_real_full_disk_mid_run_then_resume(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        run, filler = disk / "run", disk / "filler"
+        cmd = [sys.executable, "-m", "runner", *SMALL, "train.steps=100000", "train.checkpoint_every=50",
+               "train.eval_every=0", "train.log_every=100000", f"hydra.run.dir={run}"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 180
+            while not list((run / "checkpoints").glob("ckpt-*.index")) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            with open(filler, "wb") as f:  # fill the disk
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                except OSError:
+                    pass
+            _, err = proc.communicate(timeout=180)
+        finally:
+            proc.kill()
+        lines = [line for line in err.strip().splitlines() if not line.endswith("the log file stops here")]
+        assert proc.returncode == 1 and len(lines) == 1 and "No space left on device; stopped" in lines[0], err[-3000:]
+        saved = max(int(p.stem.split("-")[1]) for p in (run / "checkpoints").glob("ckpt-*.index"))
+        still_full = runner(f"resume={run}", f"train.steps={saved + 5}")
+        assert still_full.returncode == 1 and "No space left on device" in last_line(still_full.stderr)
+        assert "Traceback" not in still_full.stderr and not list(run.glob("*.truncating"))
+        filler.unlink()
+        resumed = runner(f"resume={run}", f"train.steps={saved + 5}")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert json.loads((run / "metrics.json").read_text())["step"] == saved + 5
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
