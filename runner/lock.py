@@ -52,6 +52,8 @@ def acquire(folder: Path) -> Path:
         if holder is None:  # being written right now (no hard links here), or garbled: give its writer a moment
             time.sleep(0.2)
             holder = _read(path)
+        if holder is None and not path.exists():
+            continue  # released meanwhile
         if holder is not None and _alive(holder):
             hint = "" if holder["host"] == platform.node() else f"; if no process of it runs any more, remove {path}"
             raise FolderLocked(f"{folder} is in use by another run (PID {holder['pid']} on {holder['host']} since "
