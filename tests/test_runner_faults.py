@@ -489,6 +489,30 @@ def test_a_joblib_sweep_goes_on_when_a_worker_is_killed(tmp_path):
     assert "killed by SIGKILL" in statuses["1"]["error"] and "killed by SIGKILL" in stderr.split("failed jobs:")[1]
 
 
+@pytest.mark.slow  # ~60 s under load: two jobs, one after the other, each in a child of the launcher
+def test_a_basic_sweep_goes_on_when_a_jobs_process_is_killed(tmp_path):
+    import signal
+
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "runner", "-m", *SMALL, "train.steps=100000,2", "train.checkpoint_every=0",
+           "train.eval_every=0", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not list((sweep / "0").glob("events.out.tfevents.*")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1)
+        pid = json.loads((sweep / "0" / "run.lock").read_text())["pid"]
+        assert pid != proc.pid  # the job trains in a process of its own
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "2 jobs, 1 completed, 1 failed" in stdout, stdout + stderr[-3000:]
+    assert "killed by SIGKILL" in json.loads((sweep / "0" / "status.json").read_text())["error"]
+    assert json.loads((sweep / "1" / "status.json").read_text())["status"] == "completed"
+
+
 @pytest.mark.slow  # ~100 s under load; needs root for a real tmpfs (skipped otherwise: the tests above patch the writers)
 def test_a_real_full_disk_mid_run_then_resume(tmp_path):
     if os.geteuid() != 0:
