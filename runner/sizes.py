@@ -22,6 +22,29 @@ def example_bytes(spec) -> int:
     return total
 
 
+def activation_bytes(network, spec) -> int | None:
+    """Bytes of the blocks' outputs for one example (what a step keeps for its backward, at least), from an
+    eager forward of a one-example batch of zeros in a stateless scope (no state moves, no random draws kept);
+    None if the network cannot be probed that way. Builds the network's variables (call it where the engine
+    would: in the strategy's scope)."""
+    import keras
+    import tensorflow as tf
+
+    try:
+        small = tf.nest.map_structure(lambda s: tf.zeros([1, *(d or 1 for d in s.shape[1:])], s.dtype), spec)
+        network.build(small)
+        mapping = [(v, tf.identity(v.value)) for v in network.non_trainable_variables]
+        total, h = 0, small[network.inputs]
+        with keras.StatelessScope(state_mapping=mapping):
+            for block in network.blocks:
+                h = block(h, small, training=True)
+                total += sum(int(t.shape.num_elements() or 0) * tf.as_dtype(t.dtype).size
+                             for t in tf.nest.flatten(h) if hasattr(t, "shape"))
+        return total
+    except Exception:  # noqa: BLE001 - an estimate: the run's own build reports what is wrong with the network
+        return None
+
+
 def machine_memory() -> int | None:
     """Physical memory, or the container's (cgroup) limit when lower; None when neither can be read."""
     found = []
@@ -39,13 +62,15 @@ def machine_memory() -> int | None:
     return min(found) if found else None
 
 
-def check_batch_fits(batch: int, spec, memory: int | None = None) -> None:
-    """ConfigError when `batch` examples of `spec` alone need more than the machine's memory (the step's
-    activations come on top, so a batch that passes may still not fit)."""
+def check_batch_fits(batch: int, spec, activations: int | None = None, memory: int | None = None) -> None:
+    """ConfigError when `batch` examples of `spec` (plus `activations` bytes per example, the blocks' outputs)
+    need more than the machine's memory. A lower bound: what a block holds inside comes on top."""
     memory = memory if memory is not None else machine_memory()
-    per = example_bytes(spec)
+    inputs = example_bytes(spec)
+    per = inputs + (activations or 0)
     if memory is None or per == 0 or batch * per <= memory:
         return
-    raise ConfigError("batch", batch, f"its examples alone need {human_bytes(batch * per)} ({human_bytes(per)} "
-                      f"each), more than this machine's {human_bytes(memory)} of memory; allowed: at most "
-                      f"{memory // per} here, and less for the activations")
+    what = (f"{human_bytes(per)} each: {human_bytes(inputs)} of input, {human_bytes(activations)} of block outputs"
+            if activations else f"{human_bytes(per)} each")
+    raise ConfigError("batch", batch, f"a step needs at least {human_bytes(batch * per)} ({what}), more than this "
+                      f"machine's {human_bytes(memory)} of memory; allowed: at most {memory // per} here")

@@ -42,13 +42,13 @@ def nan_pixel(**kwargs):
     return ImageSource("nan_pixel", (x, y), test, scale=1 / 255, num_classes=data.num_classes)
 
 
-def composed(out: Path, *overrides: str, sweep: bool = False):
+def composed(out: Path, *overrides: str, sweep: bool = False, base: list = SMALL):
     """The config `python -m runner` would run, with Hydra's runtime set as for a run (or a sweep job) in `out`."""
     from hydra.core.hydra_config import HydraConfig
 
     register()
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("config", return_hydra_config=True, overrides=[*SMALL, *overrides])
+        cfg = compose("config", return_hydra_config=True, overrides=[*base, *overrides])
     with open_dict(cfg):
         cfg.hydra.runtime.output_dir = str(out)
         cfg.hydra.mode = "MULTIRUN" if sweep else "RUN"
@@ -58,13 +58,13 @@ def composed(out: Path, *overrides: str, sweep: bool = False):
     return cfg
 
 
-def run_in_process(out: Path, *overrides: str, sweep: bool = False):
+def run_in_process(out: Path, *overrides: str, sweep: bool = False, base: list = SMALL):
     """`guarded(run, cfg)`: returns (value, exit code or None, stderr lines)."""
     from runner.app import run
     from runner.job import guarded
 
     out.mkdir(parents=True, exist_ok=True)
-    cfg = composed(out, *overrides, sweep=sweep)
+    cfg = composed(out, *overrides, sweep=sweep, base=base)
     code, value = None, None
     try:
         value = guarded(run, cfg)
@@ -371,14 +371,22 @@ def test_an_interrupted_event_file_trim_is_recovered_and_a_full_one_is_one_line(
 def test_a_batch_larger_than_memory_is_refused_before_allocation(tmp_path, capsys):
     from runner.sizes import machine_memory
 
-    began = time.perf_counter()
-    _, code = run_in_process(tmp_path / "run", "batch=1000000000")
+    memory, example = machine_memory(), 28 * 28 * 4 + 4  # a 28x28x1 float32 image and an int32 label
+    _, code = run_in_process(tmp_path / "run", "batch=1000000000")  # the examples alone do not fit
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: batch=1000000000: its examples alone need ") and \
-        "(3.1 KiB each), more than this machine's" in err and err.strip().count("\n") == 0, err
-    allowed = int(err.split("allowed: at most ")[1].split()[0])
-    assert allowed == machine_memory() // (28 * 28 * 4 + 4)
-    assert time.perf_counter() - began < 60
+    assert code == 2 and err.strip().count("\n") == 0, err
+    assert err.startswith("error: batch=1000000000: a step needs at least 2924.4 GiB (3.1 KiB each), more than "
+                          "this machine's "), err
+    assert int(err.split("allowed: at most ")[1].split()[0]) == memory // example
+    # the examples fit (half the memory), their blocks' outputs do not: the network is probed on one example
+    batch = memory // (2 * example)
+    _, code = run_in_process(tmp_path / "resnet", f"batch={batch}", "model=resnet", "model.widths=[4,4,4]",
+                             "model.depths=[1,1,1]", base=[o for o in SMALL if not o.startswith("model")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: batch={batch}: a step needs at least ") and \
+        " each: 3.1 KiB of input, " in err and " of block outputs), more than this machine's" in err, err
+    assert int(err.split("allowed: at most ")[1].split()[0]) < batch
+    assert not (tmp_path / "resnet" / "checkpoints").exists()
 
 
 # 8. Small checks ------------------------------------------------------------------------------------------------
