@@ -25,13 +25,15 @@ def example_bytes(spec) -> int:
 def activation_bytes(network, spec) -> int | None:
     """Bytes of the blocks' outputs for one example (what a step keeps for its backward, at least), from an
     eager forward of a one-example batch of zeros in a stateless scope (no state moves, no random draws kept);
-    None if the network cannot be probed that way. Builds the network's variables (call it where the engine
+    None if the network cannot be probed that way, or the data has variable lengths. Builds the network's variables (call it where the engine
     would: in the strategy's scope)."""
     import keras
     import tensorflow as tf
 
+    if any(None in s.shape.as_list()[1:] for s in tf.nest.flatten(spec)):
+        return None  # variable lengths: a made-up length could build a layer with the wrong shape
     try:
-        small = tf.nest.map_structure(lambda s: tf.zeros([1, *(d or 1 for d in s.shape[1:])], s.dtype), spec)
+        small = tf.nest.map_structure(lambda s: tf.zeros([1, *s.shape[1:]], s.dtype), spec)
         network.build(small)
         mapping = [(v, tf.identity(v.value)) for v in network.non_trainable_variables]
         total, h = 0, small[network.inputs]
