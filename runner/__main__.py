@@ -13,9 +13,11 @@ from runner.app import CONF, main  # noqa: E402
 from runner.errors import ConfigError, full_errors  # noqa: E402
 from runner.help import cut_names_section, help_args, wants_help  # noqa: E402
 from runner.overrides import check_overrides  # noqa: E402
+from runner.resume import resume_arguments  # noqa: E402
 
 if __name__ == "__main__":
     try:
+        sys.argv[1:] = resume_arguments(sys.argv[1:])
         check_overrides(sys.argv[1:], CONF)
     except ConfigError as err:
         if full_errors():

@@ -29,7 +29,17 @@ def run(cfg: DictConfig, out: Path) -> float:
     check_config(cfg)
     from runner import distribute
 
-    distribute.check(cfg)
+    task = distribute.check(cfg)
+    if task is not None and not task.is_chief():
+        return _run(cfg, out, changes)  # the chief holds the folder's lock; this worker writes into scratch
+    from runner.lock import holding
+
+    with holding(out):
+        return _run(cfg, out, changes)
+
+
+def _run(cfg: DictConfig, out: Path, changes: dict) -> float:
+    from runner import distribute
     from runner.quiet import load_tensorflow
 
     load_tensorflow()

@@ -51,10 +51,23 @@ class Checkpoints:
     def _manager(self) -> tf.train.CheckpointManager:
         state = self.directory / "checkpoint"
         if state.is_file() and not _parses(state):  # the numbered files are what count; TF would log 2 lines
-            log.warning(f"{state} (the list of checkpoints) is unreadable; ignoring it and reading the "
-                        f"checkpoint files themselves")
+            log.warning(f"{state} (the list of checkpoints) is unreadable; rebuilding it from the checkpoint files "
+                        f"in the folder")
             state.unlink()
+        if not state.is_file() and self.numbered():
+            self._rebuild_state()  # else the manager would never prune the checkpoints already there
         return tf.train.CheckpointManager(self.checkpoint, str(self.directory), max_to_keep=self.keep)
+
+    def _rebuild_state(self) -> None:
+        """Write the `checkpoint` state file listing the checkpoints on disk, oldest first, so that the manager
+        counts them towards `keep` (it prunes only what its state lists)."""
+        from tensorflow.python.checkpoint.checkpoint_management import update_checkpoint_state_internal
+
+        found = sorted(self.numbered())
+        stamps = [prefix.with_suffix(".index").stat().st_mtime for _, prefix in found]
+        update_checkpoint_state_internal(
+            str(self.directory), str(found[-1][1]), [str(p) for _, p in found], save_relative_paths=True,
+            all_model_checkpoint_timestamps=stamps, last_preserved_timestamp=min(stamps) - 1)
 
     @property
     def latest(self) -> str | None:

@@ -28,6 +28,11 @@ def check_config(cfg: DictConfig) -> None:
     if default is not None:
         check_sections(default, cfg.engine.memory_budget, key="model.default_sections")
     _check_optimizer(cfg.optimizer)
+    budget = cfg.engine.memory_budget
+    chosen = cfg.sections if cfg.sections is not None else cfg.model.get("default_sections")
+    if budget is not None and chosen != "auto":
+        raise ConfigError("engine.memory_budget", budget, f"only sections=auto plans to a budget; this run has "
+                          f"sections={_shown(chosen)}: give sections=auto, or engine.memory_budget=null")
     if cfg.resume is not None:
         from runner.resume import run_folder
 
@@ -46,6 +51,16 @@ def _check_optimizer(optimizer: DictConfig) -> None:
             raise ConfigError(f"optimizer.{key}", optimizer[key], "must be a number from 0 to below 1")
     if _number(optimizer.get("epsilon")) and not optimizer.epsilon > 0:
         raise ConfigError("optimizer.epsilon", optimizer.epsilon, "must be a positive number")
+    if _number(optimizer.get("weight_decay")) and optimizer.weight_decay < 0:
+        raise ConfigError("optimizer.weight_decay", optimizer.weight_decay, "must be 0 or a positive number, or null "
+                          "(a negative decay grows the weights)")
+    for key in ("clipnorm", "clipvalue", "global_clipnorm"):  # Keras ignores a negative clipnorm silently
+        if _number(optimizer.get(key)) and not optimizer[key] > 0:
+            raise ConfigError(f"optimizer.{key}", optimizer[key], "must be a positive number, or null (no clipping)")
+
+
+def _shown(value) -> str:
+    return "[" + ",".join(map(str, value)) + "]" if isinstance(value, (ListConfig, list)) else str(value)
 
 
 def _number(value) -> bool:

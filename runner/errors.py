@@ -30,6 +30,14 @@ class NonFiniteLoss(RunnerError):
     exit_code = 3
 
 
+class NonFiniteWeights(NonFiniteLoss):
+    """A weight (or other float variable of the network) became NaN or Inf, while the loss may still be finite."""
+
+
+class DiskFull(RunnerError):
+    """A write failed for lack of space (or quota): the run stops; what was written before is kept."""
+
+
 class Interrupted(RunnerError):
     """Ctrl-C or SIGTERM: state was saved and the run stops (exit 128 + the signal's number)."""
 

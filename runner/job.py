@@ -28,6 +28,16 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
     out = Path(hc.runtime.output_dir)
     sweep = hc.mode == RunMode.MULTIRUN
     status = {"overrides": list(hc.overrides.task)}
+    _log_files_survive_a_full_disk()
+    from runner import isolate
+
+    if sweep and isolate.available():
+        return isolate.run_in_child(lambda: _guarded(job, cfg, out, sweep, status),
+                                    lambda outcome: _write(out, sweep, status | outcome), f"sweep job {out}")
+    return _guarded(job, cfg, out, sweep, status)
+
+
+def _guarded(job, cfg: DictConfig, out: Path, sweep: bool, status: dict) -> float:
     try:
         with _signals_before_the_loop(sweep):
             value = job(cfg, out)
@@ -50,6 +60,15 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
             return _failed_value(hc)
         sys.exit(err.exit_code)
     except Exception as err:
+        from runner.files import no_space, write_error
+
+        if no_space(err) and not full_errors():  # a write this runner does not make itself (Hydra's, TF's)
+            failure = write_error(f"into {out}", err)
+            report(failure)
+            _write(out, sweep, status | {"status": "failed", "error": str(failure)})
+            if sweep:
+                return float("nan")
+            sys.exit(failure.exit_code)
         if not sweep:
             raise
         (out / "error.txt").write_text(traceback.format_exc())
@@ -58,6 +77,29 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
         return _failed_value(hc)
     _write(out, sweep, status | {"status": "completed", "value": value, "metric": _metric_name(out)})
     return value
+
+
+def _log_files_survive_a_full_disk() -> None:
+    """A log file that cannot be written (full disk) is closed with one warning on stderr, not a traceback per
+    message; the console keeps logging, and the run reports its own failure in one line."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and not getattr(handler, "_runner_guarded", False):
+            handler._runner_guarded = True
+            handler.handleError = _give_up_on(handler, handler.handleError)
+
+
+def _give_up_on(handler: logging.FileHandler, default):
+    def handle_error(record):
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            return default(record)
+        if handler.level > logging.CRITICAL:
+            return  # said once already
+        handler.setLevel(logging.CRITICAL + 1)  # nothing more goes to it through the loggers
+        print(f"warning: {handler.baseFilename}: {err.strerror or err}; the log file stops here", file=sys.stderr,
+              flush=True)
+
+    return handle_error
 
 
 class Terminated(BaseException):
@@ -105,4 +147,7 @@ def _metric_name(out: Path) -> str:
 
 def _write(out: Path, sweep: bool, status: dict) -> None:
     if sweep:
-        (out / JOB_STATUS).write_text(json.dumps(status, indent=1))
+        try:
+            (out / JOB_STATUS).write_text(json.dumps(status, indent=1))
+        except OSError as err:  # a full disk: the sweep's summary counts the job as not finished
+            log.error(f"could not write {out / JOB_STATUS}: {err.strerror or err}")

@@ -54,6 +54,26 @@ def load_tensorflow():
     return tf
 
 
+def preload_tensorflow() -> None:
+    """`import tensorflow, keras` with the start-up lines filtered, touching no device: a process that forks its
+    sweep jobs imports once for all of them (no device runtime, CUDA included, may start before a fork)."""
+    if "keras" in sys.modules:
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            import keras  # noqa: F401 - imports tensorflow
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            shown = filtered(capture.read().decode(errors="replace"), has_gpu=False, min_level=_min_level())
+            if shown:
+                print("\n".join(shown), file=sys.stderr, flush=True)
+
+
 def filtered(text: str, has_gpu: bool, min_level: int) -> list[str]:
     """The captured lines worth showing: de-duplicated, at or above `min_level` (0 I, 1 W, 2 E, 3 none)."""
     out, seen, keep = [], set(), True

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.files import keep_copy, write_atomic
 from runner.progress import human_bytes
 from runner.resume import history_name, show
 
@@ -41,15 +42,15 @@ class RunRecord:
         config_text = OmegaConf.to_yaml(cfg, resolve=True)
         config = out / "config.yaml"
         if start_step and config.is_file() and changes:
-            config.rename(history_name(out))
-        config.write_text(config_text)
+            keep_copy(config, history_name(out))
+        write_atomic(config, config_text)
         self.flops = section_flops(engine)
         table = partition_table(engine, self.flops)
-        (out / "partition.txt").write_text(table + "\n")
+        write_atomic(out / "partition.txt", table + "\n")
         session = self._session(start_step)
         record = out / "run.json"
-        sessions = json.loads(record.read_text()).get("sessions", []) if start_step and record.is_file() else []
-        record.write_text(json.dumps({"sessions": sessions + [session]}, indent=1))
+        sessions = _sessions(record) if start_step else []
+        write_atomic(record, json.dumps({"sessions": sessions + [session]}, indent=1))
         to_log_file("config:\n" + config_text)  # the log file gets the whole config; the console the header
         log.info(self.header(session["device"], table, start_step))
         for key, (before, after) in changes.items():
@@ -85,12 +86,20 @@ class RunRecord:
         metrics.setdefault("precision", self.cfg.train.get("precision", "float32"))  # reports compare by it
         self.board.final(step, metrics)
         self.board.close()
-        (self.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        write_atomic(self.out / "metrics.json", json.dumps(metrics, indent=1))
         to_log_file("metrics: " + json.dumps(metrics))
         log.info(summary(metrics) + f"\nrun folder: {self.out}\nTensorBoard: {tensorboard_hint(self.out, self.sweep)}")
 
-    def close(self) -> None:
-        self.board.close()
+    def close(self, quietly: bool = False) -> None:
+        """Close the event file; `quietly` (the run is failing already): a failure to flush is only logged."""
+        from runner.errors import RunnerError
+
+        try:
+            self.board.close()
+        except RunnerError as err:
+            if not quietly:
+                raise
+            log.warning(str(err))
 
     def _session(self, start_step: int) -> dict:
         import hydra
@@ -118,6 +127,14 @@ class RunRecord:
         """The first session's overrides (the run's identity in a sweep), else the folder's name."""
         shown = [o for o in sessions[0].get("overrides", []) if not o.startswith(("hydra", "resume="))]
         return " ".join(shown) or self.out.name
+
+
+def _sessions(record: Path) -> list:
+    """The sessions `run.json` lists (none if it is missing or was cut short)."""
+    try:
+        return json.loads(record.read_text()).get("sessions", [])
+    except (OSError, ValueError, AttributeError):
+        return []
 
 
 def to_log_file(message: str) -> None:

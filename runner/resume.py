@@ -35,7 +35,7 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
     Returns the config to run and the changes `{key: (before, after)}`; raises ConfigError on a change a
     checkpoint cannot follow."""
     folder = run_folder(cfg.resume)
-    saved = OmegaConf.load(folder / "config.yaml")
+    saved = saved_config(folder, cfg.resume)
     lacking = [g for g in ("model", "data", "optimizer") if not OmegaConf.is_dict(saved.get(g))]
     if lacking:
         raise ConfigError("resume", cfg.resume, f"its config.yaml has no {', '.join(lacking)}; not a run folder "
@@ -80,6 +80,57 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
         raise ConfigError("resume", cfg.resume, f"cannot change {shown} on resume: the checkpoint holds state "
                           f"for the saved values; start a new run instead")
     return merged, changes
+
+
+GROUPS = ("model", "data", "optimizer")
+
+
+def resume_arguments(args: list[str]) -> list[str]:
+    """With `resume=<folder>`, check each `model.x=`, `data.x=`, `optimizer.x=` against the run's own config (not
+    today's default options) and pass it as `++key=value`, so that Hydra, composing the default options, takes it.
+
+    An SGD run's `optimizer.momentum=0.5` is then a change the resume rules judge; a key that run does not have is
+    refused in one line listing the keys it has."""
+    given = [a for a in args if a.startswith("resume=") and a.split("=", 1)[1] not in ("", "null")]
+    if not given or any(a in ("-m", "--multirun") for a in args):
+        return args
+    value = given[-1].split("=", 1)[1]
+    folder = Path(value).expanduser()
+    if not (folder / "config.yaml").is_file():
+        return args  # the config checks say what is wrong with the folder
+    saved = saved_config(folder, value)
+    out = []
+    for arg in args:
+        key, eq, rest = arg.partition("=")
+        group = key.split(".")[0]
+        if eq and group in GROUPS and "." in key and not key.startswith(("+", "~")) and OmegaConf.is_dict(saved.get(group)):
+            node = saved[group]
+            parts = key.split(".")[1:]
+            for depth, part in enumerate(parts):
+                if not OmegaConf.is_dict(node) or part not in node:
+                    where = ".".join([group, *parts[:depth]])
+                    has = ", ".join(str(k) for k in node) if OmegaConf.is_dict(node) else "no keys"
+                    raise ConfigError(key, rest, f"unknown key for the resumed run; its {where} has: {has}")
+                node = node[part]
+            arg = f"++{arg}"
+        out.append(arg)
+    return out
+
+
+def saved_config(folder: Path, value) -> DictConfig:
+    """The run folder's `config.yaml`; unreadable text or YAML is one ConfigError."""
+    path = Path(folder) / "config.yaml"
+    try:
+        saved = OmegaConf.load(path)
+    except UnicodeDecodeError as err:
+        raise ConfigError("resume", value, f"its config.yaml is not UTF-8 text (byte {err.start}: "
+                          f"{err.object[err.start:err.start + 1]!r}); not a config this runner wrote") from None
+    except Exception as err:  # noqa: BLE001 - a YAML syntax error has a multi-line message
+        why = " ".join(str(err).split())[:200]
+        raise ConfigError("resume", value, f"its config.yaml cannot be read: {type(err).__name__}: {why}") from None
+    if not OmegaConf.is_dict(saved):
+        raise ConfigError("resume", value, "its config.yaml is not a mapping of keys; not a config this runner wrote")
+    return saved
 
 
 def run_folder(value) -> Path:

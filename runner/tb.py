@@ -11,30 +11,56 @@ Tags (memory in MiB, the unit in the tag):
 
 from __future__ import annotations
 
+import functools
+import logging
 from pathlib import Path
 
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
+from runner.files import first_line, write_error
+
+log = logging.getLogger("runner")
+
 MiB = 2**20
 FINAL = ("loss", "eval_loss", "median_step_seconds", "examples_per_second", "step_peak_MiB")
+
+
+def _one_line_errors(method):
+    """A failed write of the event file (full disk, folder gone) stops the run in one line, not a traceback."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        if self.failed:
+            return None
+        try:
+            return method(self, *args, **kwargs)
+        except (tf.errors.OpError, OSError) as err:
+            self.failed = True
+            raise write_error(f"the TensorBoard event file in {self.logdir}", err) from err
+
+    return wrapped
 
 
 class Board:
     """Writes the run's event file into `logdir` (the run folder)."""
 
     def __init__(self, logdir: Path):
+        self.logdir, self.failed = Path(logdir), False
         self.writer = tf.summary.create_file_writer(str(logdir))
 
+    @_one_line_errors
     def text(self, tag: str, body: str) -> None:
         with self.writer.as_default(step=0):
             tf.summary.text(tag, "```\n" + body + "\n```")
 
+    @_one_line_errors
     def hparams(self, values: dict, trial: str) -> None:
         """The run's settings for the HParams dashboard, the trial named `trial`; its metrics are the scalars."""
         with self.writer.as_default(step=0):
             hp.hparams(values, trial_id=trial)
 
+    @_one_line_errors
     def layout(self, sections: int) -> None:
         """Custom Scalars: all sections' memory in one chart, all sections' forward runs in another."""
         from tensorboard.plugins.custom_scalar import layout_pb2
@@ -51,6 +77,7 @@ class Board:
         with self.writer.as_default(step=0):
             tf.summary.experimental.write_raw_pb(custom_scalar.pb(layout).SerializeToString(), step=0)
 
+    @_one_line_errors
     def scalars(self, step: int, values: dict) -> None:
         with self.writer.as_default(step=step):
             for tag, value in values.items():
@@ -68,6 +95,7 @@ class Board:
             values[f"forward_runs/section_{k}"] = runs
         self.scalars(step, values)
 
+    @_one_line_errors
     def final(self, step: int, metrics: dict) -> None:
         """`final/*`: the loss, the eval metric, speed and peak memory: what a sweep compares."""
         figures = {**metrics, "step_peak_MiB": _mib(metrics.get("step_peak_bytes"))}
@@ -76,28 +104,58 @@ class Board:
                             if isinstance(figures.get(k), (int, float)) and not isinstance(figures.get(k), bool)})
 
     def close(self) -> None:
-        self.writer.close()
+        """Flush and close; after a failed write (already reported) a second failure is only logged."""
+        try:
+            self.writer.close()
+        except (tf.errors.OpError, OSError) as err:
+            if not self.failed:
+                self.failed = True
+                raise write_error(f"the TensorBoard event file in {self.logdir}", err) from err
+            log.debug(f"closing the event file after a failed write: {first_line(err)}")
+
+
+TRIM = ".truncating"
 
 
 def truncate_after(folder: Path, step: int) -> None:
     """Drop events after `step` from the folder's event files: what a killed run logged past its checkpoint,
-    which the resumed run logs again, so TensorBoard shows one continuous set of curves."""
+    which the resumed run logs again, so TensorBoard shows one continuous set of curves.
+
+    Each file is rewritten aside (`<name>.truncating`) and moved over the original in one step; a leftover of a
+    trim that was killed or ran out of space is removed first (the original it was copied from is still whole)."""
     from tensorboard.compat.proto.event_pb2 import Event
 
-    for path in sorted(Path(folder).glob("events.out.tfevents.*")):
+    recover_trims(folder)
+    for path in sorted(p for p in Path(folder).glob("events.out.tfevents.*") if not p.name.endswith(TRIM)):
         records = []
         try:
             for r in tf.data.TFRecordDataset(str(path)):
                 records.append(bytes(r.numpy()))
-        except tf.errors.DataLossError:  # the last record was cut short by the kill
+        except tf.errors.DataLossError:  # the last record was cut short by the kill (or a full disk)
             records.append(b"")
         kept = [r for r in records if r and Event.FromString(r).step <= step]
         if len(kept) < len(records):
-            temp = path.with_name(path.name + ".truncating")
-            with tf.io.TFRecordWriter(str(temp)) as writer:
-                for r in kept:
-                    writer.write(r)
-            temp.replace(path)
+            temp = path.with_name(path.name + TRIM)
+            try:
+                with tf.io.TFRecordWriter(str(temp)) as writer:
+                    for r in kept:
+                        writer.write(r)
+                temp.replace(path)
+            except (tf.errors.OpError, OSError) as err:
+                temp.unlink(missing_ok=True)
+                raise write_error(f"{temp} (the event file without the steps after {step})", err) from err
+
+
+def recover_trims(folder: Path) -> None:
+    """Leftovers of an interrupted trim: removed where the original is there, else put in its place."""
+    for temp in Path(folder).glob(f"events.out.tfevents.*{TRIM}"):
+        original = temp.with_name(temp.name[: -len(TRIM)])
+        if original.exists():
+            temp.unlink()
+            log.info(f"removed {temp.name}, the leftover of an interrupted event-file trim ({original.name} is whole)")
+        else:
+            temp.replace(original)
+            log.warning(f"{original.name} was missing; its trimmed copy {temp.name} takes its place")
 
 
 def hparam_values(cfg: dict, choices: dict, sections) -> dict:

@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from runner.build import Setup
-from runner.errors import ConfigError, Interrupted, NonFiniteLoss, RunnerError
+from runner.errors import ConfigError, Interrupted, NonFiniteLoss, NonFiniteWeights, RunnerError
 from runner.progress import Progress, human_bytes
 
 log = logging.getLogger("runner")
@@ -26,12 +26,14 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
     from sections import BudgetExceededError, ReplayMismatchError
 
     from runner.checkpoint import Checkpoints
+    from runner.finite import FiniteCheck
     from runner.record import RunRecord
     from runner.resume import apply_optimizer_changes
 
     engine, data, train, changes = setup.engine, setup.data, cfg.train, changes or {}
     batches = iter(data.train_batches(cfg.batch, train.seed))
     checkpoints = Checkpoints(out / "checkpoints", engine, batches, train.keep_checkpoints)
+    finite = FiniteCheck(engine.network.variables)
     start = 0
     if cfg.resume:
         start, restored = checkpoints.restore(restore_from)
@@ -67,9 +69,13 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
                         raise RunnerError(f"step {step}: {err}") from err
                     seconds = time.perf_counter() - began
                     profiler.after(step)
+                    newest = f"Newest all-finite checkpoint: {checkpoints.latest or 'none (none saved yet)'}"
                     if not math.isfinite(stats["loss"]):
-                        raise NonFiniteLoss(f"loss is {stats['loss']} at step {step}; stopped. Newest all-finite "
-                                            f"checkpoint: {checkpoints.latest or 'none (none saved yet)'}")
+                        raise NonFiniteLoss(f"loss is {stats['loss']} at step {step}; stopped. {newest}")
+                    bad = finite.first_bad()
+                    if bad:  # a NaN input can poison the weights while the loss still reads finite
+                        raise NonFiniteWeights(f"step {step}: {bad} holds NaN or Inf (loss {stats['loss']:.4g}); "
+                                               f"stopped. {newest}")
                     history.append((stats, seconds))
                     record.board.train_step(step, stats, seconds, cfg.batch)
                     progress.update(step, stats["loss"], cfg.batch / seconds, stats["step_peak_bytes"])
@@ -95,8 +101,10 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
             metrics["rerun_flops"] = sum((runs - 1) * f["forward"]
                                          for runs, f in zip(metrics["forward_runs_per_section"], flops))
         record.finish(step, metrics)
-    finally:
-        record.close()
+    except BaseException:
+        record.close(quietly=True)  # the first failure is the one reported
+        raise
+    record.close()
     return metrics[metrics["metric"]]
 
 
@@ -231,6 +239,9 @@ class StopOnSignal:
         return self
 
     def _handle(self, signum, frame):
+        if self.requested and signum == self._signum and time.monotonic() - self._at < 1.0:
+            return  # the same signal twice at once: sent to the job and passed on by its sweep's process
+        self._signum, self._at = signum, time.monotonic()
         if self.requested:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt

@@ -45,13 +45,14 @@ def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, or
                                  f"it has {sorted(f.files)}, needs {list(KEYS)}.")
             arrays = {k: f[k] for k in KEYS}
     except (OSError, zipfile.BadZipFile, EOFError) as err:
-        raise ValueError(f"{path!r} is not a valid .npz file ({type(err).__name__}: {err}); delete it to "
-                         f"download again, or set data.path to a Keras-format mnist.npz.") from None
+        raise ValueError(f"{path!r} is not a valid .npz file ({type(err).__name__}: {err}); set data.path to a "
+                         f"Keras-format mnist.npz (a path that does not exist yet downloads one there).") from None
     except ValueError as err:
         if "mnist.npz" in str(err):
             raise
-        raise ValueError(f"{path!r} is not a valid .npz file ({err}); delete it to download again, or set "
-                         f"data.path to a Keras-format mnist.npz.") from None
+        # numpy says "pickled data ... allow_pickle": any file that is not an .npz archive; unpickling is not the way
+        raise ValueError(f"{path!r} is not a valid .npz file (no archive of arrays); set data.path to a "
+                         f"Keras-format mnist.npz (a path that does not exist yet downloads one there).") from None
     _check_shapes(path, arrays)
     images = {k: a if a.ndim == 4 else a[..., None] for k, a in arrays.items() if k.startswith("x")}
     return ImageSource("mnist", (images["x_train"], arrays["y_train"]), (images["x_test"], arrays["y_test"]),
@@ -67,12 +68,14 @@ def _download(path: str, origin: str, sha256: str | None) -> str:
 
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(60)  # urllib waits forever on a network that drops packets
+    created = _missing_folders(os.path.dirname(path) or ".")
     try:
         # get_file falls back to /tmp/.keras when the cache folder is not writable, and a missing one is not.
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         path = keras.utils.get_file(fname=os.path.basename(path), origin=origin, file_hash=sha256,
                                     cache_dir=os.path.dirname(path), cache_subdir="")
     except Exception as err:  # noqa: BLE001 - offline, refused, wrong hash: all end in the same advice
+        _remove_empty(created)  # leave no empty folder behind at data.path
         why = " ".join(str(err).split()) or type(err).__name__
         raise FileNotFoundError(_missing(path, f"downloading {origin} failed: {why}")) from None
     finally:
@@ -80,6 +83,27 @@ def _download(path: str, origin: str, sha256: str | None) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(_missing(path, f"downloading {origin} gave no file"))
     return path
+
+
+def _missing_folders(folder: str) -> list[str]:
+    """`folder` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    folder = os.path.abspath(folder)
+    while not os.path.exists(folder):
+        missing.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    return missing
+
+
+def _remove_empty(folders: list[str]) -> None:
+    for folder in folders:  # deepest first; stops at one that is not empty (someone else wrote there)
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
 
 
 def _missing(path: str, why: str) -> str:
