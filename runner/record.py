@@ -73,6 +73,7 @@ class RunRecord:
                  + (f", precision {precision}" if (precision := cfg.train.get("precision", "float32")) != "float32"
                     else ""),
                  f"device: {device}" + _topology(self.setup),
+                 *([f"data: {self.setup.data.describe()}"] if hasattr(self.setup.data, "describe") else []),
                  table,
                  f"full config: {self.out / 'config.yaml'}"]
         return "\n".join(lines)

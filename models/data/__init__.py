@@ -2,10 +2,13 @@
 ``train_batches(batch_size, seed)`` and ``eval_batches(batch_size)`` (see docs/CONTRACTS.md)."""
 
 from ._source import ImageSource
+from ._stream import StreamSource
 from .digits import digits
+from .image_folder import ImageFolderSource, image_folder
 from .mnist import mnist
 from .sequences import SequenceSource, sequences
 from .synthetic import synthetic
 from .text import TextSource, text
 
-__all__ = ["digits", "mnist", "synthetic", "sequences", "text", "ImageSource", "SequenceSource", "TextSource"]
+__all__ = ["digits", "mnist", "synthetic", "sequences", "text", "image_folder", "ImageSource", "StreamSource",
+           "ImageFolderSource", "SequenceSource", "TextSource"]
