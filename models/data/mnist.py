@@ -8,6 +8,7 @@ import zipfile
 import numpy as np
 
 from ._source import ImageSource
+from .arrays import file_kind
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
 ORIGIN = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/mnist.npz"
@@ -32,26 +33,28 @@ def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, or
         origin: the URL to fetch from.
         sha256: the expected SHA-256 of the download (``None``: not checked).
     """
+    given = path is not None
     path = os.path.abspath(os.path.expanduser(path) if path else default_path())
     if not os.path.isfile(path):
         if not download:
             raise FileNotFoundError(_missing(path, "downloads are off (data.download=false)"))
         path = _download(path, origin, sha256)
+    kind = file_kind(path)
+    if kind != "npz":
+        raise ValueError(_not_mnist(path, f"it is {kind}" if kind != "npy" else "it is an .npy, not an .npz", given))
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = [k for k in KEYS if k not in f.files]
             if missing:
-                raise ValueError(f"{path!r} is not a Keras-format mnist.npz: missing arrays {missing}; "
-                                 f"it has {sorted(f.files)}, needs {list(KEYS)}.")
+                raise ValueError(_not_mnist(path, f"missing arrays {missing} (it has {sorted(f.files)})", given))
             arrays = {k: f[k] for k in KEYS}
     except (OSError, zipfile.BadZipFile, EOFError) as err:
-        raise ValueError(f"{path!r} is not a valid .npz file ({type(err).__name__}: {err}); delete it to "
-                         f"download again, or set data.path to a Keras-format mnist.npz.") from None
+        raise ValueError(_not_mnist(path, f"it cannot be read ({type(err).__name__})", given)) from None
     except ValueError as err:
         if "mnist.npz" in str(err):
             raise
-        raise ValueError(f"{path!r} is not a valid .npz file ({err}); delete it to download again, or set "
-                         f"data.path to a Keras-format mnist.npz.") from None
+        why = "an array holds Python objects" if "pickle" in str(err) or "bject" in str(err) else "an array is unreadable"
+        raise ValueError(_not_mnist(path, why, given)) from None
     _check_shapes(path, arrays)
     images = {k: a if a.ndim == 4 else a[..., None] for k, a in arrays.items() if k.startswith("x")}
     return ImageSource("mnist", (images["x_train"], arrays["y_train"]), (images["x_test"], arrays["y_test"]),
@@ -87,6 +90,15 @@ def _missing(path: str, why: str) -> str:
             f"keras.datasets.mnist.load_data()\"` on a machine with internet (it saves ~/.keras/datasets/mnist.npz "
             f"there), then copy that file to {path!r} here or set data.path to your copy. data=digits needs no "
             f"download.")
+
+
+def _not_mnist(path: str, why: str, given: bool) -> str:
+    """Never advice to delete: the file may be the user's own (data.path), or one they put in the cache."""
+    fix = ("set data.path to a Keras-format mnist.npz, or train on your own file with data=arrays (an .npz or "
+           ".npy) or data=tfrecord" if given else
+           "replace it with a Keras-format mnist.npz (keras.datasets.mnist.load_data() writes one there), or set "
+           "data.path to one")
+    return f"{path!r} is not a Keras-format mnist.npz (arrays {', '.join(KEYS)}): {why}; {fix}."
 
 
 def _check_shapes(path: str, arrays: dict) -> None:
