@@ -73,8 +73,8 @@ def message(err) -> str:
     lines = [line for line in (getattr(err, "message", None) or str(err)).splitlines() if line.strip()]
     text = _OP_NOISE.sub("", lines[0] if lines else type(err).__name__).strip()
     own = _ASSERTION.search(text)
-    if own:
-        return own.group(1)
+    if own:  # TensorFlow escapes the quotes of the message it prints
+        return own.group(1).replace("\\'", "'").replace('\\"', '"')
     return f"data: reading the input failed: {text[:300]}"
 
 

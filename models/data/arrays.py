@@ -168,7 +168,7 @@ def load_npy(path: str, key: str):
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except ValueError as err:
-        if "pickle" in str(err):
+        if "pickle" in str(err) or "objects" in str(err):
             raise ValueError(f"data.{key}={path!r} holds Python objects, not a numeric array; save plain arrays "
                              f"(np.save with a numeric dtype).") from None
         raise ValueError(f"data.{key}={path!r}: NumPy cannot read it ({err}).") from None
