@@ -395,3 +395,41 @@ def test_image_folder_with_augmentation_resumes_bit_identically_after_kill(tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed, reference = events(killed)[0]["loss/train"], events(whole)[0]["loss/train"]
     assert [s for s, _ in resumed] == list(range(1, steps + 1)) and resumed == reference
+
+
+# ---------------------------------------------------------------- the contract's runnable example
+def test_the_documented_example_source_follows_the_contract(tmp_path):
+    from docs.examples.stripes import Stripes, stripes
+    from runner.direction import direction_of
+
+    source = stripes(size=8, test_size=10)
+    assert isinstance(source, Stripes) and direction_of("docs.examples.stripes.stripes") == "maximize"
+    assert source.model_args == {"num_classes": 4, "input_shape": (8, 8, 1)}
+    assert equal_batches(source.train_batches(4, 1), source.train_batches(4, 1), 3)
+    iterator = iter(source.train_batches(4, 1))
+    next(iterator)
+    prefix = tf.train.Checkpoint(data=iterator).save(str(tmp_path / "it"))
+    want = next(iterator)["image"]
+    again = iter(source.train_batches(4, 1))
+    tf.train.Checkpoint(data=again).restore(prefix)
+    assert np.array_equal(next(again)["image"], want)
+    assert [len(b["label"]) for b in source.eval_batches(4)] == [4, 4, 2]
+
+
+def test_an_own_config_folder_joins_through_the_search_path():
+    from runner.app import CONF
+    from runner.errors import ConfigError
+    from runner.overrides import check_overrides
+
+    own = f"hydra.searchpath=[file://{ROOT / 'docs' / 'examples' / 'conf'}]"
+    check_overrides([own, "data=stripes", "data.size=12"], CONF)
+    with pytest.raises(ConfigError, match="data.sise=12: unknown key \\(did you mean 'size'\\?\\)"):
+        check_overrides([own, "data=stripes", "data.sise=12"], CONF)
+
+
+@pytest.mark.slow  # ~10 s: one short run
+def test_the_documented_example_trains_through_the_runner(tmp_path):
+    proc = runner("hydra.searchpath=[file://docs/examples/conf]", "data=stripes", *CHEAP,
+                  f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "data.json").read_text())["class_names"][0] == "0deg"
