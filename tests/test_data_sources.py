@@ -433,3 +433,46 @@ def test_the_documented_example_trains_through_the_runner(tmp_path):
                   f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "data.json").read_text())["class_names"][0] == "0deg"
+
+
+def test_worker_shard_follows_the_replica_ids_of_this_process():
+    class Context:
+        def __init__(self, r):
+            self.replica_id_in_sync_group = r
+
+    class FakeStrategy:  # worker 1 of 3, two replicas each: global replicas 2 and 3 of 6
+        cluster_resolver, num_replicas_in_sync = object(), 6
+
+        def experimental_distribute_values_from_function(self, fn):
+            return [fn(Context(r)) for r in (2, 3)]
+
+        def experimental_local_results(self, values):
+            return values
+
+    assert datafeed.worker_shard(FakeStrategy()) == (1, 3) and datafeed.worker_shard(None) is None
+
+
+@pytest.mark.slow  # ~30-60 s: two worker processes and a one-device run
+def test_two_workers_on_an_image_folder_train_like_one_device(tmp_path):
+    from test_distribute_config import free_ports
+
+    root = write_folder(tmp_path / "imgs", per_class=8)
+    args = ["data=image_folder", f"data.path={root}", "data.augment=[flip]", "model=mlp", "model.hidden=[16]",
+            "train=smoke", "train.steps=3", "batch=16", "train.eval_every=3", "train.verify_exact=false"]
+    cluster = {"worker": [f"localhost:{p}" for p in free_ports(2)]}
+    env = {**ENV, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "runner", *args, "distribute=multi_worker", f"hydra.run.dir={tmp_path / f'w{i}'}"],
+        cwd=ROOT, env={**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        results = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    one = runner(*args, f"hydra.run.dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-2000:]
+    chief = json.loads((tmp_path / "w0" / "metrics.json").read_text())
+    single = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    assert chief["workers"] == 2 and chief["loss"] == pytest.approx(single["loss"], rel=1e-5)
