@@ -476,3 +476,14 @@ def test_two_workers_on_an_image_folder_train_like_one_device(tmp_path):
     chief = json.loads((tmp_path / "w0" / "metrics.json").read_text())
     single = json.loads((tmp_path / "one" / "metrics.json").read_text())
     assert chief["workers"] == 2 and chief["loss"] == pytest.approx(single["loss"], rel=1e-5)
+
+
+def test_mnist_rescale_is_explicit(tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "mnist.npz", x_train=rng.integers(0, 256, (8, 28, 28), dtype=np.uint8), y_train=np.arange(8),
+             x_test=rng.integers(0, 256, (4, 28, 28), dtype=np.uint8), y_test=np.arange(4))
+    default = data.mnist(path=str(tmp_path / "mnist.npz"), download=False)
+    raw = data.mnist(path=str(tmp_path / "mnist.npz"), download=False, rescale=1)
+    assert float(next(iter(default.eval_batches(4)))["image"].numpy().max()) <= 1.0
+    assert float(next(iter(raw.eval_batches(4)))["image"].numpy().max()) > 1.0
+    assert "rescale 0.00392157" in default.describe() and "rescale 1" in raw.describe()

@@ -210,8 +210,10 @@ class StreamSource:
         aug = ", augment " + " ".join(self.info["augment"]) if self.augment else ""
         sizes = f"{self.train_size if self.train_size is not None else '?'} train / " \
                 f"{self.test_size if self.test_size is not None else '?'} test"
+        skipped = self.info.get("skipped_corrupt")
         return (f"{self.name}: {sizes}, images {list(self.image_shape)}, {self.num_classes} classes, "
-                f"rescale {_fraction(self.rescale)} (values 0..{self.max_value * self.rescale:g}){aug}")
+                f"rescale {_fraction(self.rescale)} (values 0..{self.max_value * self.rescale:g}){aug}"
+                + (f", {skipped} corrupt file(s) skipped" if skipped else ""))
 
     def _example(self, key):
         image, label = self._load(key)

@@ -8,6 +8,7 @@ import zipfile
 import numpy as np
 
 from ._source import ImageSource
+from ._stream import parse_rescale
 from .arrays import file_kind
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -22,7 +23,7 @@ def default_path() -> str:
 
 
 def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, origin: str = ORIGIN,
-          sha256: str | None = SHA256) -> ImageSource:
+          sha256: str | None = SHA256, rescale=None) -> ImageSource:
     """MNIST (60000 train, 10000 test, 28x28x1 in [0, 1]) read from ``path``, downloaded there if missing.
 
     Args:
@@ -32,6 +33,7 @@ def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, or
         download: fetch the file from ``origin`` when it is missing (``keras.utils.get_file``).
         origin: the URL to fetch from.
         sha256: the expected SHA-256 of the download (``None``: not checked).
+        rescale: factor on the stored values; ``None``: 1/255 for uint8 images ([0, 1]), else 1.
     """
     given = path is not None
     path = os.path.abspath(os.path.expanduser(path) if path else default_path())
@@ -58,7 +60,8 @@ def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, or
     _check_shapes(path, arrays)
     images = {k: a if a.ndim == 4 else a[..., None] for k, a in arrays.items() if k.startswith("x")}
     return ImageSource("mnist", (images["x_train"], arrays["y_train"]), (images["x_test"], arrays["y_test"]),
-                       scale=1 / 255 if arrays["x_train"].dtype == np.uint8 else 1.0, max_shift=max_shift)
+                       scale=parse_rescale(rescale, 1 / 255 if arrays["x_train"].dtype == np.uint8 else 1.0),
+                       max_shift=max_shift)
 
 
 def _download(path: str, origin: str, sha256: str | None) -> str:
