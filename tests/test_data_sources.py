@@ -487,3 +487,22 @@ def test_mnist_rescale_is_explicit(tmp_path):
     assert float(next(iter(default.eval_batches(4)))["image"].numpy().max()) <= 1.0
     assert float(next(iter(raw.eval_batches(4)))["image"].numpy().max()) > 1.0
     assert "rescale 0.00392157" in default.describe() and "rescale 1" in raw.describe()
+
+
+def test_the_completeness_check_knows_each_format_and_agrees_with_the_up_front_scan(tmp_path):
+    from models.data.image_folder import file_looks_complete, looks_complete
+
+    image = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    encoded = {"png": tf.io.encode_png(image).numpy(), "jpg": tf.io.encode_jpeg(image).numpy(),
+               "bmp": tf.io.encode_bmp(image).numpy() if hasattr(tf.io, "encode_bmp") else None}
+    cases = []
+    for ext, whole in encoded.items():
+        if whole is None:
+            continue
+        cases += [(f"whole.{ext}", whole, True), (f"half.{ext}", whole[: len(whole) // 2], False)]
+    cases += [("padded.jpg", encoded["jpg"] + b"\0" * 100, True), ("text.png", b"hello", False),
+              ("empty.png", b"", False)]
+    for name, contents, complete in cases:
+        (tmp_path / name).write_bytes(contents)
+        assert bool(looks_complete(tf.constant(contents))) is complete, name
+        assert file_looks_complete(str(tmp_path / name)) is complete, name

@@ -16,7 +16,7 @@ from ._stream import StreamSource, fail_unless, parse_augment, parse_rescale, sh
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 COLOR_MODES = {"rgb": 3, "grayscale": 1, "rgba": 4}
-_TAIL = 32  # trailing bytes searched for a format's end marker
+_TAIL = 4096  # trailing bytes searched for a JPEG or GIF end marker (data after it, e.g. padding, is allowed)
 
 
 class ImageFolderSource(StreamSource):
@@ -56,18 +56,19 @@ class ImageFolderSource(StreamSource):
 
 def looks_complete(contents):
     """Whether encoded image bytes start with a known format's signature and end with its end marker."""
-    head = tf.strings.substr(contents, 0, 8)
     n = tf.strings.length(contents)
+    padded = tf.strings.join([contents, b"\0" * 8])  # a short file still has 8 header bytes to compare
+    head = tf.strings.substr(padded, 0, 8)
     tail = tf.io.decode_raw(tf.strings.substr(contents, tf.maximum(n - _TAIL, 0), _TAIL), tf.uint8)
     pairs = tf.logical_and(tf.equal(tail[:-1], 0xFF), tf.equal(tail[1:], 0xD9))
     jpeg = tf.logical_and(tf.equal(tf.strings.substr(head, 0, 3), b"\xff\xd8\xff"), tf.reduce_any(pairs))
     png = tf.logical_and(tf.equal(head, b"\x89PNG\r\n\x1a\n"),
                          tf.equal(tf.strings.substr(contents, tf.maximum(n - 8, 0), 8), b"IEND\xaeB`\x82"))
     gif = tf.logical_and(tf.equal(tf.strings.substr(head, 0, 4), b"GIF8"), tf.reduce_any(tf.equal(tail, 0x3B)))
-    bmp_size = tf.io.decode_raw(tf.strings.substr(contents, 2, 4), tf.uint8)
+    bmp_size = tf.io.decode_raw(tf.strings.substr(padded, 2, 4), tf.uint8)
     declared = tf.reduce_sum(tf.cast(bmp_size, tf.int64) * tf.constant([1, 256, 65536, 16777216], tf.int64))
     bmp = tf.logical_and(tf.equal(tf.strings.substr(head, 0, 2), b"BM"),
-                         tf.logical_and(tf.size(bmp_size) == 4, declared <= tf.cast(n, tf.int64)))
+                         declared <= tf.cast(n, tf.int64))
     return tf.reduce_any(tf.stack([jpeg, png, gif, bmp]))
 
 
