@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import re
 from pathlib import Path
 
 from runner.errors import RunnerError
 
+log = logging.getLogger("runner")
 _OP_NOISE = re.compile(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]|\s*\[\[\{\{node [^]]*\]\]")
 _ASSERTION = re.compile(r"assertion failed: \[(.*)\]\s*$")
 
@@ -27,9 +29,12 @@ def train_iterator(data, batch: int, seed: int, strategy=None):
     """The training batches' iterator; under a multi-worker strategy only this worker's rows are loaded,
     where the source takes a `shard` (the others read every row and use their own)."""
     shard = worker_shard(strategy)
-    takes_shard = "shard" in inspect.signature(data.train_batches).parameters
-    return iter(data.train_batches(batch, seed, shard=shard) if shard and takes_shard
-                else data.train_batches(batch, seed))
+    if shard and "shard" in inspect.signature(data.train_batches).parameters:
+        index, count = shard
+        log.info(f"data: this worker loads rows {index * batch // count}..{(index + 1) * batch // count - 1} of "
+                 f"each batch of {batch}")
+        return iter(data.train_batches(batch, seed, shard=shard))
+    return iter(data.train_batches(batch, seed))
 
 
 def worker_shard(strategy) -> tuple[int, int] | None:

@@ -471,6 +471,8 @@ def test_two_workers_on_an_image_folder_train_like_one_device(tmp_path):
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    assert "data: this worker loads rows 0..7 of each batch of 16" in "".join(results[0])
+    assert "data: this worker loads rows 8..15 of each batch of 16" in "".join(results[1])
     one = runner(*args, f"hydra.run.dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-2000:]
     chief = json.loads((tmp_path / "w0" / "metrics.json").read_text())
