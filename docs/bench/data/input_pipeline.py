@@ -1,20 +1,22 @@
 """Does streaming PNG files slow training down, and does memory stay bounded by the pipeline?
 
     PYTHONPATH=. python docs/bench/data/input_pipeline.py speed  --images 1024 --size 32 --batch 256 --steps 12
-    PYTHONPATH=. python docs/bench/data/input_pipeline.py memory --gib 4 --size 224 --batch 256
+    PYTHONPATH=. python docs/bench/data/input_pipeline.py memory --gib 4 --size 224 --batch 256 [FOLDER]
 
 speed: the project's ResNet (models.build_resnet, whole-graph engine) trains on a folder of PNGs through
 data=image_folder and on the same images held in memory (ImageSource, what data=mnist/digits use), steps
 alternating between the two so both see the same machine load; prints the median step times and their ratio.
 
-memory: writes a folder of PNGs whose decoded size totals --gib GiB (smooth images compress to small files),
-then reads one full epoch through data=image_folder at --batch (decode, resize, rescale, batch, prefetch, no
-model) and prints the process's peak resident memory (ru_maxrss).
+memory: writes a folder of PNGs whose decoded size totals --gib GiB (smooth images compress to small files; a
+child process writes them), then trains one epoch on it with `python -m runner data=image_folder model=mlp` at
+--batch and prints that training process's peak resident memory (ru_maxrss of the child).
 """
 import argparse
 import os
 import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -78,31 +80,33 @@ def speed(args) -> None:
 
 
 def memory(args) -> None:
-    import tensorflow as tf
-
-    from models.data import image_folder
-
     count = int(np.ceil(args.gib * GiB / (args.size * args.size * 3)))
     with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.folder) if args.folder else Path(tmp) / "pngs"
         began = time.perf_counter()
-        root = write_folder(Path(tmp) / "pngs", count, args.size, smooth=True)
+        if not root.is_dir():  # the PNGs are written by a child process, so its memory is not counted here
+            subprocess.run([sys.executable, __file__, "write", str(root), "--size", str(args.size), "--images",
+                            str(count)], check=True)
         disk = sum(p.stat().st_size for p in root.rglob("*.png"))
+        count = sum(1 for _ in root.rglob("*.png"))
         print(f"{count} PNGs of {args.size}x{args.size}x3: decoded {count * args.size ** 2 * 3 / GiB:.2f} GiB, "
-              f"{disk / 2**20:.0f} MiB on disk (written in {time.perf_counter() - began:.0f} s)")
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        source = image_folder(str(root), validation_split=0.01)
-        batches, seen, began = iter(source.train_batches(args.batch, 0)), 0, time.perf_counter()
-        while seen < source.train_size:
-            tf.reduce_sum(next(batches)["image"]).numpy()
-            seen += args.batch
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        print(f"one epoch ({seen} images, batch {args.batch}) in {time.perf_counter() - began:.0f} s; peak RSS "
-              f"{peak:.2f} GiB (before the pipeline: {before:.2f} GiB)")
+              f"{disk / 2**20:.0f} MiB on disk (ready in {time.perf_counter() - began:.0f} s)")
+        steps = int(count * 0.99) // args.batch + 1  # one epoch and a bit
+        command = [sys.executable, "-m", "runner", "data=image_folder", f"data.path={root}",
+                   "data.validation_split=0.01", "model=mlp", "model.hidden=[32]", f"batch={args.batch}",
+                   f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.verify_exact=false",
+                   "train.progress=log", "train.log_every=20", f"hydra.run.dir={Path(tmp) / 'run'}"]
+        began = time.perf_counter()
+        subprocess.run(command, check=True, cwd=Path(__file__).resolve().parents[3])
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+        print(f"python -m runner data=image_folder model=mlp batch {args.batch}: {steps} steps (one epoch) in "
+              f"{time.perf_counter() - began:.0f} s; peak RSS of the training process {peak:.2f} GiB")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("speed", "memory"))
+    ap.add_argument("mode", choices=("speed", "memory", "write"))
+    ap.add_argument("folder", nargs="?", help="memory: an existing folder of PNGs to train on; write: where to write")
     ap.add_argument("--images", type=int, default=1024)
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--batch", type=int, default=256)
@@ -111,7 +115,10 @@ def main():
     args = ap.parse_args()
     if args.mode == "memory" and args.size == 32:
         args.size = 224
-    speed(args) if args.mode == "speed" else memory(args)
+    if args.mode == "write":
+        write_folder(Path(args.folder), args.images, args.size, smooth=True)
+    else:
+        speed(args) if args.mode == "speed" else memory(args)
 
 
 if __name__ == "__main__":
