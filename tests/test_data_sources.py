@@ -327,6 +327,7 @@ def test_pipeline_errors_become_one_line():
 
 
 # ---------------------------------------------------------------- through the runner
+@pytest.mark.slow  # ~15 s: one short run
 def test_image_folder_trains_a_keras_file_model_and_records_the_classes(tmp_path):
     import keras
 
