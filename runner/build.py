@@ -49,7 +49,9 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
         optimizer = wrap_optimizer(instantiate(cfg.optimizer, "optimizer"), cfg.train.precision)
 
     engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
-    probe = next(iter(data.train_batches(cfg.batch, cfg.train.seed)))
+    from runner.datafeed import next_batch
+
+    probe = next_batch(iter(data.train_batches(cfg.batch, cfg.train.seed)))
     try:
         engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections,
                              _convert_="all",  # a plain list of boundary names, not a ListConfig

@@ -58,7 +58,8 @@ def _check_composes(overrides, conf_dir: str) -> None:
     """Whatever else Hydra or OmegaConf would refuse while composing, as one line (not a multi-line message)."""
     if not overrides or any(o.is_sweep_override() for o in overrides):
         return  # sweep values are checked one by one above; each job is checked again when it runs
-    lines = [o.input_line for o in overrides if o.input_line and not o.key_or_group.startswith("hydra")]
+    lines = [o.input_line for o in overrides if o.input_line
+             and (not o.key_or_group.startswith("hydra") or o.key_or_group == "hydra.searchpath")]  # own conf dirs
     from hydra import compose, initialize_config_dir
 
     try:
@@ -95,8 +96,9 @@ def _check_group_keys(overrides, conf_dir: str) -> None:
     if not wanted:
         return
     choices = [o.input_line for o in overrides
-               if "." not in o.key_or_group and not o.is_sweep_override() and o.input_line
-               and (Path(conf_dir) / o.key_or_group.split("/")[0]).is_dir()]
+               if ("." not in o.key_or_group and not o.is_sweep_override() and o.input_line
+                   and (Path(conf_dir) / o.key_or_group.split("/")[0]).is_dir())
+               or o.key_or_group == "hydra.searchpath"]
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf

@@ -75,6 +75,7 @@ class RunRecord:
                     else ""),
                  f"device: {device}" + _topology(self.setup),
                  _memory_line(self.setup.engine),
+                 *([f"data: {self.setup.data.describe()}"] if hasattr(self.setup.data, "describe") else []),
                  table,
                  f"full config: {self.out / 'config.yaml'}"]
         return "\n".join(lines)

@@ -25,13 +25,14 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
     `restore_from`: where a resumed run's checkpoints are read, when not `out/checkpoints` (another worker)."""
     from sections import BudgetExceededError, ReplayMismatchError
 
+    from runner import datafeed
     from runner.checkpoint import Checkpoints
     from runner.finite import FiniteCheck
     from runner.record import RunRecord
     from runner.resume import apply_optimizer_changes
 
     engine, data, train, changes = setup.engine, setup.data, cfg.train, changes or {}
-    batches = iter(data.train_batches(cfg.batch, train.seed))
+    batches = datafeed.train_iterator(data, cfg.batch, train.seed, setup.strategy)
     checkpoints = Checkpoints(out / "checkpoints", engine, batches, train.keep_checkpoints)
     finite = FiniteCheck(engine.network.variables)
     start = 0
@@ -46,6 +47,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
     record = RunRecord(out, cfg, setup, overrides, sweep=_in_sweep(), start_step=start)
     try:
         record.start(changes)
+        datafeed.write_record(out, data)
         if start:
             log.info(f"resumed from {restored} at step {start}")
             apply_optimizer_changes(engine.optimizer, changes, cfg.optimizer)
@@ -60,7 +62,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
         try:
             with StopOnSignal() as stop:
                 for step in range(start + 1, train.steps + 1):
-                    batch = next(batches)
+                    batch = datafeed.next_batch(batches)
                     profiler.before(step)
                     began = time.perf_counter()
                     try:
@@ -95,6 +97,8 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
             progress.close()
         metrics = {**describe_setup(engine, cfg.batch), **exactness,
                    **summarize(history, results, data, cfg.batch, step)}
+        if datafeed.record(data):
+            metrics["data"] = datafeed.record(data)
         flops = record.flops
         if flops:
             metrics["flops_per_section"] = flops
@@ -180,8 +184,10 @@ def describe_setup(engine, batch: int) -> dict:
 
 def evaluate(engine, data, batch_size: int) -> dict:
     """Example-weighted means of `engine.evaluate` over one pass of the eval split."""
+    from runner.datafeed import checked
+
     totals, count = {}, 0
-    for batch in data.eval_batches(batch_size):
+    for batch in checked(data.eval_batches(batch_size)):
         size = int(next(iter(batch.values())).shape[0])
         for key, value in engine.evaluate(batch).items():
             totals[key] = totals.get(key, 0.0) + float(value) * size

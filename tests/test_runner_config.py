@@ -98,7 +98,7 @@ BAD = [
     (["batch=abc"], "batch=abc: must be an integer"),
     (["engine.jit_compile=maybe"], "engine.jit_compile=maybe: must be true or false"),
     (["model=nope"], "model=nope: unknown option; allowed: attention, gpt, keras_app, keras_file, mlp, resnet"),
-    (["data=nope"], "data=nope: unknown option; allowed: digits"),
+    (["data=nope"], "data=nope: unknown option; allowed: arrays, digits, image_folder"),
     (["optimizer=nope"], "optimizer=nope: unknown option; allowed: adam"),
     (["optimizer.bogus=1"], "optimizer.bogus=1: unknown key; optimizer has: _target_, learning_rate"),
     (["model=mlp", "model.hiddn=[3]"], "model.hiddn=[3]: unknown key (did you mean 'hidden'?); model has: _target_, default_sections, hidden"),

@@ -417,7 +417,7 @@ def test_a_file_that_is_no_npz_gets_no_pickle_advice(tmp_path):
     with pytest.raises(ValueError) as err:
         mnist(path=str(text))
     message = str(err.value)
-    assert "is not a valid .npz file (no archive of arrays)" in message and str(text) in message
+    assert "is not a Keras-format mnist.npz" in message and str(text) in message
     assert "pickle" not in message and "delete" not in message.lower() and text.is_file()
 
 

@@ -1,11 +1,16 @@
 """Data sources: each builder returns an object with ``name``, ``model_args``, ``metric``,
-``train_batches(batch_size, seed)`` and ``eval_batches(batch_size)`` (see docs/CONTRACTS.md)."""
+``train_batches(batch_size, seed)`` and ``eval_batches(batch_size)`` (see docs/DATA.md)."""
 
 from ._source import ImageSource
+from ._stream import StreamSource
+from .arrays import ArraySource, arrays
 from .digits import digits
+from .image_folder import ImageFolderSource, image_folder
 from .mnist import mnist
 from .sequences import SequenceSource, sequences
 from .synthetic import synthetic
 from .text import TextSource, text
+from .tfrecord import TFRecordSource, tfrecord
 
-__all__ = ["digits", "mnist", "synthetic", "sequences", "text", "ImageSource", "SequenceSource", "TextSource"]
+__all__ = ["digits", "mnist", "synthetic", "sequences", "text", "image_folder", "arrays", "tfrecord", "ImageSource",
+           "StreamSource", "ImageFolderSource", "ArraySource", "TFRecordSource", "SequenceSource", "TextSource"]

@@ -95,6 +95,11 @@ class ImageSource:
         images = tf.cast(images, tf.float32)
         return images * self.scale if self.scale != 1.0 else images
 
+    def describe(self) -> str:
+        """One line for the run's header: what the model receives."""
+        return (f"{self.name}: {self.train_size} train / {self.test_size} test, images "
+                f"{list(self.model_args['input_shape'])}, {self.num_classes} classes, rescale {self.scale:.6g}")
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.name!r}, train={self.train_size}, test={self.test_size}, "
                 f"shape={self.model_args['input_shape']}, classes={self.num_classes})")

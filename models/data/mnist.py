@@ -8,6 +8,8 @@ import zipfile
 import numpy as np
 
 from ._source import ImageSource
+from ._stream import parse_rescale
+from .arrays import file_kind
 
 KEYS = ("x_train", "y_train", "x_test", "y_test")
 ORIGIN = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/mnist.npz"
@@ -21,7 +23,7 @@ def default_path() -> str:
 
 
 def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, origin: str = ORIGIN,
-          sha256: str | None = SHA256) -> ImageSource:
+          sha256: str | None = SHA256, rescale=None) -> ImageSource:
     """MNIST (60000 train, 10000 test, 28x28x1 in [0, 1]) read from ``path``, downloaded there if missing.
 
     Args:
@@ -31,32 +33,35 @@ def mnist(path: str | None = None, max_shift: int = 0, download: bool = True, or
         download: fetch the file from ``origin`` when it is missing (``keras.utils.get_file``).
         origin: the URL to fetch from.
         sha256: the expected SHA-256 of the download (``None``: not checked).
+        rescale: factor on the stored values; ``None``: 1/255 for uint8 images ([0, 1]), else 1.
     """
+    given = path is not None
     path = os.path.abspath(os.path.expanduser(path) if path else default_path())
     if not os.path.isfile(path):
         if not download:
             raise FileNotFoundError(_missing(path, "downloads are off (data.download=false)"))
         path = _download(path, origin, sha256)
+    kind = file_kind(path)
+    if kind != "npz":
+        raise ValueError(_not_mnist(path, f"it is {kind}" if kind != "npy" else "it is an .npy, not an .npz", given))
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = [k for k in KEYS if k not in f.files]
             if missing:
-                raise ValueError(f"{path!r} is not a Keras-format mnist.npz: missing arrays {missing}; "
-                                 f"it has {sorted(f.files)}, needs {list(KEYS)}.")
+                raise ValueError(_not_mnist(path, f"missing arrays {missing} (it has {sorted(f.files)})", given))
             arrays = {k: f[k] for k in KEYS}
     except (OSError, zipfile.BadZipFile, EOFError) as err:
-        raise ValueError(f"{path!r} is not a valid .npz file ({type(err).__name__}: {err}); set data.path to a "
-                         f"Keras-format mnist.npz (a path that does not exist yet downloads one there).") from None
+        raise ValueError(_not_mnist(path, f"it cannot be read ({type(err).__name__})", given)) from None
     except ValueError as err:
         if "mnist.npz" in str(err):
             raise
-        # numpy says "pickled data ... allow_pickle": any file that is not an .npz archive; unpickling is not the way
-        raise ValueError(f"{path!r} is not a valid .npz file (no archive of arrays); set data.path to a "
-                         f"Keras-format mnist.npz (a path that does not exist yet downloads one there).") from None
+        why = "an array holds Python objects" if "pickle" in str(err) or "bject" in str(err) else "an array is unreadable"
+        raise ValueError(_not_mnist(path, why, given)) from None
     _check_shapes(path, arrays)
     images = {k: a if a.ndim == 4 else a[..., None] for k, a in arrays.items() if k.startswith("x")}
     return ImageSource("mnist", (images["x_train"], arrays["y_train"]), (images["x_test"], arrays["y_test"]),
-                       scale=1 / 255 if arrays["x_train"].dtype == np.uint8 else 1.0, max_shift=max_shift)
+                       scale=parse_rescale(rescale, 1 / 255 if arrays["x_train"].dtype == np.uint8 else 1.0),
+                       max_shift=max_shift)
 
 
 def _download(path: str, origin: str, sha256: str | None) -> str:
@@ -111,6 +116,15 @@ def _missing(path: str, why: str) -> str:
             f"keras.datasets.mnist.load_data()\"` on a machine with internet (it saves ~/.keras/datasets/mnist.npz "
             f"there), then copy that file to {path!r} here or set data.path to your copy. data=digits needs no "
             f"download.")
+
+
+def _not_mnist(path: str, why: str, given: bool) -> str:
+    """Never advice to delete: the file may be the user's own (data.path), or one they put in the cache."""
+    fix = ("set data.path to a Keras-format mnist.npz, or train on your own file with data=arrays (an .npz or "
+           ".npy) or data=tfrecord" if given else
+           "replace it with a Keras-format mnist.npz (keras.datasets.mnist.load_data() writes one there), or set "
+           "data.path to one")
+    return f"{path!r} is not a Keras-format mnist.npz (arrays {', '.join(KEYS)}): {why}; {fix}."
 
 
 def _check_shapes(path: str, arrays: dict) -> None:

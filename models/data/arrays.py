@@ -1,0 +1,221 @@
+"""Your own arrays: an ``.npz`` with your key names, or a pair of ``.npy`` files, memory-mapped, read row by row.
+
+``.npy`` files and the arrays of an uncompressed ``.npz`` (``np.savez``) are memory-mapped: only the rows a
+batch needs are read. A compressed ``.npz`` (``np.savez_compressed``) cannot be mapped and is loaded whole.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import numpy as np
+import tensorflow as tf
+
+from ._stream import StreamSource, parse_augment, parse_rescale, shuffled_indices
+
+
+class ArraySource(StreamSource):
+    """Images ``x[i]`` and labels ``y[i]`` of (possibly memory-mapped) arrays; see ``arrays``."""
+
+    def __init__(self, x_train, train_rows, y_train, x_test, test_rows, y_test, num_classes: int, **kwargs):
+        self._x = {"train": x_train, "test": x_test}
+        self._rows = {"train": tf.constant(train_rows, tf.int64), "test": tf.constant(test_rows, tf.int64)}
+        self._y = {"train": tf.constant(y_train, tf.int32), "test": tf.constant(y_test, tf.int32)}
+        self._dtype = tf.as_dtype(x_train.dtype)
+        shape = tuple(x_train.shape[1:]) if x_train.ndim == 4 else (*x_train.shape[1:], 1)
+        super().__init__("arrays", shape, num_classes, len(train_rows), len(test_rows), **kwargs)
+
+    def _train_stream(self, seed):
+        rows, y = self._rows["train"], self._y["train"]
+        return shuffled_indices(self.train_size, seed).map(lambda i: (tf.constant(0), rows[i], y[i]))
+
+    def _test_stream(self):
+        return tf.data.Dataset.from_tensor_slices((tf.ones_like(self._rows["test"], tf.int32), self._rows["test"],
+                                                   self._y["test"]))
+
+    def _load(self, key):
+        split, row, label = key
+        # Train and test may be different files: split 0 reads the training array, 1 the test array.
+        x_train, x_test = self._x["train"], self._x["test"]
+        image = tf.numpy_function(lambda s, r: np.asarray((x_train if s == 0 else x_test)[r]), [split, row],
+                                  self._dtype, stateful=False)
+        return tf.reshape(image, self.image_shape), label
+
+
+def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_path: str | None = None,
+           test_path: str | None = None, test_labels_path: str | None = None, test_fraction: float | None = None,
+           split_seed: int = 0, num_classes: int | None = None, rescale=None, augment=()) -> ArraySource:
+    """Images and integer labels from NumPy files.
+
+    Args:
+        path: an ``.npz`` holding arrays ``x_key`` (images ``[n, h, w]`` or ``[n, h, w, c]``) and ``y_key``
+            (``n`` integer labels), or an ``.npy`` of images with ``labels_path`` an ``.npy`` of labels.
+        test_path, test_labels_path: the test split in the same form; without them ``test_fraction`` of
+            ``path``'s rows (drawn with ``split_seed``; ``None``: 0.2) is held out.
+        num_classes: ``None``: the largest training label + 1.
+        rescale: ``None``: 1/255 for uint8 images, else 1.
+        augment: training augmentations by name.
+    """
+    if path is None:
+        raise ValueError("data.path: give an .npz (with data.x_key, data.y_key) or an .npy of images with "
+                         "data.labels_path.")
+    x, y = _open(path, labels_path, x_key, y_key, "path", "labels_path")
+    info = {"path": os.path.abspath(str(path)), "x_key": x_key, "y_key": y_key}
+    if test_path is not None:
+        if test_fraction is not None:
+            raise ValueError(f"data.test_fraction={test_fraction!r}: give either data.test_path or "
+                             f"data.test_fraction, not both.")
+        x_test, y_test = _open(test_path, test_labels_path, x_key, y_key, "test_path", "test_labels_path")
+        if x_test.shape[1:] != x.shape[1:] or x_test.dtype != x.dtype:
+            raise ValueError(f"data.test_path={test_path!r}: its images are {x_test.shape[1:]} {x_test.dtype}, the "
+                             f"training images {x.shape[1:]} {x.dtype}; they must match.")
+        train_rows, test_rows = np.arange(len(x)), np.arange(len(x_test))
+        info["test_path"] = os.path.abspath(str(test_path))
+    else:
+        fraction = 0.2 if test_fraction is None else test_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+            raise ValueError(f"data.test_fraction={test_fraction!r}: must be a number in (0, 1).")
+        held = int(round(len(x) * fraction))
+        if not 0 < held < len(x):
+            raise ValueError(f"data.test_fraction={fraction}: holds out {held} of {len(x)} rows; need at least "
+                             f"one on each side (or give data.test_path).")
+        order = np.random.default_rng(split_seed).permutation(len(x))
+        train_rows, test_rows = np.sort(order[held:]), np.sort(order[:held])
+        x_test, y_test = x, y
+        info["test_fraction"] = float(fraction)
+    y_train, y_test = y[train_rows], y_test[test_rows]
+    classes = num_classes if num_classes is not None else int(y_train.max()) + 1
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
+        raise ValueError(f"data.num_classes={num_classes!r}: must be an integer >= 1 or null.")
+    for split, labels in (("training", y_train), ("test", y_test)):
+        if labels.min() < 0 or labels.max() >= classes:
+            bad = labels.min() if labels.min() < 0 else labels.max()
+            where = ("data.num_classes" if num_classes is not None else
+                     "the training labels' largest + 1; this test class is absent from training")
+            raise ValueError(f"data.{y_key if labels_path is None else 'labels_path'}: the {split} labels hold {bad}, "
+                             f"outside the class range 0..{classes - 1} ({where}).")
+    uint8 = x.dtype == np.uint8
+    return ArraySource(x, train_rows, y_train, x_test, test_rows, y_test, classes,
+                       rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0), augment=parse_augment(augment),
+                       max_value=255.0 if uint8 else 1.0, info=info)
+
+
+def _open(path, labels_path, x_key: str, y_key: str, key: str, labels_key: str):
+    """(images, labels): images memory-mapped where the file allows, labels in memory; checked."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    kind = file_kind(path)
+    if kind == "npz":
+        if labels_path is not None:
+            raise ValueError(f"data.{labels_key}={labels_path!r}: only for an .npy of images; {path!r} is an .npz "
+                             f"(name its arrays with data.x_key and data.y_key).")
+        found = npz_arrays(path, (x_key, y_key), key, ("x_key", "y_key"))
+        x, y = found[x_key], found[y_key]
+        xname, yname = f"{path}[{x_key!r}]", f"{path}[{y_key!r}]"
+    elif kind == "npy":
+        if labels_path is None:
+            raise ValueError(f"data.{key}={path!r} is an .npy of images: give its labels with data.{labels_key} "
+                             f"(an .npy of integers), or use an .npz with data.x_key and data.y_key.")
+        labels_path = os.path.abspath(os.path.expanduser(str(labels_path)))
+        if file_kind(labels_path) != "npy":
+            raise ValueError(_not_numpy(labels_path, labels_key))
+        x, y = load_npy(path, key), load_npy(labels_path, labels_key)
+        xname, yname = path, labels_path
+    else:
+        raise ValueError(_not_numpy(path, key))
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if x.ndim not in (3, 4) or y.ndim != 1 or len(x) != len(y) or not len(x):
+        raise ValueError(f"{xname} and {yname}: need images [n, h, w] or [n, h, w, c] and n labels; got "
+                         f"{x.shape} and {y.shape}.")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"{yname}: labels must be integer class numbers; got dtype {y.dtype}.")
+    if not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)):
+        raise ValueError(f"{xname}: images must be numbers; got dtype {x.dtype}.")
+    return x, y.astype(np.int64)
+
+
+def file_kind(path: str) -> str:
+    """``npz``, ``npy``, or a short description of what else the file is (for one-line errors)."""
+    if not os.path.isfile(path):
+        return "missing" if not os.path.exists(path) else "a folder"
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head.startswith(b"\x93NUMPY"):
+        return "npy"
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return "npz" if zipfile.is_zipfile(path) else "a damaged zip archive"
+    for magic, what in ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"GIF8", "a GIF image"),
+                        (b"\x1f\x8b", "a gzip file"), (b"\x80", "a Python pickle")):
+        if head.startswith(magic):
+            return what
+    if _is_tfrecord(path):
+        return "a TFRecord file"
+    if not head:
+        return "an empty file"
+    return "not a NumPy file"
+
+
+def _not_numpy(path: str, key: str) -> str:
+    kind = file_kind(path)
+    if kind == "missing":
+        return f"data.{key}={path!r}: no such file."
+    return f"data.{key}={path!r} is {kind}, not an .npz or .npy file (data=arrays reads NumPy files)."
+
+
+def load_npy(path: str, key: str):
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as err:
+        if "pickle" in str(err) or "objects" in str(err):
+            raise ValueError(f"data.{key}={path!r} holds Python objects, not a numeric array; save plain arrays "
+                             f"(np.save with a numeric dtype).") from None
+        raise ValueError(f"data.{key}={path!r}: NumPy cannot read it ({err}).") from None
+
+
+def npz_arrays(path: str, names, key: str, name_keys) -> dict:
+    """The named arrays of an ``.npz``, memory-mapped where stored uncompressed; one line for a missing name."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = {m.filename[:-4]: m for m in archive.infolist() if m.filename.endswith(".npy")}
+            missing = [(k, n) for k, n in zip(name_keys, names) if n not in members]
+            if missing:
+                raise ValueError(f"data.{key}={path!r} has no array " + ", ".join(f"{n!r} (data.{k})"
+                                                                                  for k, n in missing)
+                                 + f"; it has: {', '.join(sorted(members)) or 'none'}.")
+            return {n: _member(path, archive, members[n], key) for n in names}
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise ValueError(f"data.{key}={path!r} is not a readable .npz ({type(err).__name__}: {err}).") from None
+
+
+def _member(path: str, archive: zipfile.ZipFile, member: zipfile.ZipInfo, key: str):
+    try:
+        if member.compress_type == zipfile.ZIP_STORED:
+            with open(path, "rb") as f:
+                f.seek(member.header_offset + 26)
+                name_len, extra_len = np.frombuffer(f.read(4), "<u2")
+                start = member.header_offset + 30 + int(name_len) + int(extra_len)
+                f.seek(start)
+                version = np.lib.format.read_magic(f)
+                header = {(1, 0): np.lib.format.read_array_header_1_0,
+                          (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+                shape, fortran, dtype = header(f) if header else ((), False, np.dtype(object))
+                if not dtype.hasobject:
+                    return np.memmap(path, dtype=dtype, mode="r", offset=f.tell(), shape=shape,
+                                     order="F" if fortran else "C")
+        with archive.open(member) as f:
+            return np.lib.format.read_array(f, allow_pickle=False)
+    except ValueError as err:
+        if "pickle" in str(err) or "object" in str(err).lower():
+            raise ValueError(f"data.{key}={path!r}: array {member.filename[:-4]!r} holds Python objects, not "
+                             f"numbers; save plain numeric arrays.") from None
+        raise ValueError(f"data.{key}={path!r}: array {member.filename[:-4]!r} cannot be read ({err}).") from None
+
+
+def _is_tfrecord(path: str) -> bool:
+    try:
+        next(iter(tf.data.TFRecordDataset(path).take(1)))
+        return True
+    except Exception:  # noqa: BLE001 - anything unreadable as a record is not one
+        return False

@@ -1,0 +1,201 @@
+"""``tf.train.Example`` shards (TFRecord files, optionally GZIP/ZLIB-compressed), read interleaved and streamed.
+
+Each epoch reads the training shards in an order drawn from ``(seed, epoch)``, ``cycle_length`` at a time,
+their records interleaved, then shuffles windows of ``shuffle_buffer`` records, each window by its own key:
+every choice is stateless, so the same seed gives the same batches and a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from ._stream import StreamSource, check_label, fail_unless, parse_augment, parse_rescale
+from .image_folder import COLOR_MODES
+
+FORMATS = ("encoded", "raw")
+COMPRESSION = (None, "GZIP", "ZLIB")
+
+
+class TFRecordSource(StreamSource):
+    """Records with an image feature and an int64 label feature; see ``tfrecord``."""
+
+    def __init__(self, train_files: list[str], test_files: list[str], spec: dict, image_shape, resize: bool,
+                 num_classes: int, compression, shuffle_buffer: int, cycle_length: int, **kwargs):
+        self.train_files, self.test_files = train_files, test_files
+        self._spec, self._resize, self._compression = spec, resize, compression or ""
+        self.shuffle_buffer, self.cycle_length = shuffle_buffer, cycle_length
+        super().__init__("tfrecord", image_shape, num_classes, None, None, **kwargs)
+
+    def _records(self, files):
+        read = lambda f: tf.data.TFRecordDataset(f, compression_type=self._compression)  # noqa: E731
+        # Sequential: reading records is cheap (decoding, in the parallel map after, is not), and a parallel
+        # interleave under symbolic checkpointing crashes TensorFlow 2.21 now and then (a segfault).
+        return files.interleave(read, cycle_length=min(self.cycle_length, len(self.train_files)))
+
+    def _train_stream(self, seed):
+        files = tf.constant(self.train_files)
+        window = self.shuffle_buffer
+
+        def epoch(e):
+            key = tf.stack([tf.constant(seed, tf.int64), e])
+            order = tf.random.experimental.stateless_shuffle(files, key)
+            records = self._records(tf.data.Dataset.from_tensor_slices(order))
+            if window <= 1:
+                return records
+            mixed = records.batch(window).enumerate().map(
+                lambda w, chunk: tf.random.experimental.stateless_shuffle(
+                    chunk, tf.random.experimental.stateless_fold_in(key, w)))
+            return mixed.unbatch()
+
+        return tf.data.Dataset.counter().flat_map(epoch)
+
+    def _test_stream(self):
+        return self._records(tf.data.Dataset.from_tensor_slices(tf.constant(self.test_files)))
+
+    def _load(self, record):
+        spec = self._spec
+        features = tf.io.parse_single_example(record, {spec["image_key"]: tf.io.FixedLenFeature([], tf.string),
+                                                       spec["label_key"]: tf.io.FixedLenFeature([], tf.int64)})
+        data, label = features[spec["image_key"]], features[spec["label_key"]]
+        label = check_label(label, self.num_classes, f"a record (data.label_key={spec['label_key']!r})")
+        h, w, c = self.image_shape
+        if spec["format"] == "raw":
+            values = tf.io.decode_raw(data, spec["dtype"])
+            need = int(np.prod(spec["shape"]))
+            values = fail_unless(tf.equal(tf.size(values), need), values, f"data.image_key={spec['image_key']!r}: "
+                                 f"a record holds ", tf.size(values), f" {spec['dtype'].name} values; data.image_shape="
+                                 f"{list(spec['shape'])} needs {need}")
+            image = tf.reshape(values, spec["shape"])
+            return (tf.image.resize(image, [h, w]) if self._resize else image), label
+        image = tf.io.decode_image(data, channels=c, expand_animations=False)
+        if self._resize:
+            return tf.image.resize(image, [h, w]), label
+        size = tf.shape(image)
+        ok = tf.logical_and(tf.equal(size[0], h), tf.equal(size[1], w))
+        image = fail_unless(ok, image, f"data.image_key={spec['image_key']!r}: a record's image is ", size[0], "x",
+                            size[1], f" but the first is {h}x{w}; set data.image_size=[height,width] to resize every "
+                            f"image")
+        return image, label
+
+
+def tfrecord(train_files=None, test_files=None, compression: str | None = None, image_key: str = "image",
+             image_format: str = "encoded", image_shape: Sequence[int] | None = None, image_dtype: str = "uint8",
+             label_key: str = "label", num_classes: int | None = None, image_size: Sequence[int] | None = None,
+             color_mode: str = "rgb", shuffle_buffer: int = 1024, cycle_length: int = 4, rescale="1/255",
+             augment: Sequence[str] = ()) -> TFRecordSource:
+    """TFRecord shards of ``tf.train.Example`` records: an image feature and an int64 class-number feature.
+
+    Args:
+        train_files, test_files: a glob or a list of globs.
+        compression: ``None``, ``"GZIP"`` or ``"ZLIB"``.
+        image_key: the image feature (bytes).
+        image_format: ``encoded`` (JPEG/PNG/BMP/GIF bytes, decoded with ``color_mode``) or ``raw`` (the bytes of
+            an array of ``image_dtype`` and ``image_shape`` ``[h, w, c]``).
+        label_key: the label feature (int64 class numbers ``0 .. num_classes - 1``).
+        num_classes: the number of classes (required: shards are not read through to count them).
+        image_size: ``[height, width]`` every image is resized to; ``None``: the first record's size.
+        shuffle_buffer: records shuffled together (a window of the interleaved stream; 1: no shuffle).
+        cycle_length: shards read at once.
+        rescale, augment: as for ``image_folder``.
+    """
+    train = _files(train_files, "train_files")
+    test = _files(test_files, "test_files")
+    if compression not in COMPRESSION:
+        raise ValueError(f"data.compression={compression!r}: allowed: null, GZIP, ZLIB.")
+    if image_format not in FORMATS:
+        raise ValueError(f"data.image_format={image_format!r}: allowed: {', '.join(FORMATS)}.")
+    if color_mode not in COLOR_MODES:
+        raise ValueError(f"data.color_mode={color_mode!r}: allowed: {', '.join(COLOR_MODES)}.")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise ValueError(f"data.num_classes={num_classes!r}: give the number of classes (an integer >= 1; labels "
+                         f"are 0 .. num_classes - 1).")
+    for key, value in (("shuffle_buffer", shuffle_buffer), ("cycle_length", cycle_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"data.{key}={value!r}: must be an integer >= 1.")
+    try:
+        dtype = tf.as_dtype(image_dtype)
+    except TypeError:
+        raise ValueError(f"data.image_dtype={image_dtype!r}: not a dtype (uint8, float32, ...).") from None
+    spec = {"image_key": image_key, "label_key": label_key, "format": image_format, "dtype": dtype}
+    if image_format == "raw":
+        if image_shape is None or len(image_shape) != 3 or any(not isinstance(d, int) or d < 1 for d in image_shape):
+            raise ValueError(f"data.image_shape={image_shape!r}: raw images need their shape [height, width, "
+                             f"channels].")
+        spec["shape"] = tuple(image_shape)
+    first_image = _check_first_record(train[0], "train_files", spec, compression)
+    _check_first_record(test[0], "test_files", spec, compression)
+    channels = spec["shape"][2] if image_format == "raw" else COLOR_MODES[color_mode]
+    if image_size is not None:
+        if len(image_size) != 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in image_size):
+            raise ValueError(f"data.image_size={image_size!r}: must be [height, width], two integers >= 1.")
+        size = list(image_size)
+    elif image_format == "raw":
+        size = list(spec["shape"][:2])
+    else:
+        decoded = tf.io.decode_image(first_image, channels=channels, expand_animations=False)
+        size = [int(decoded.shape[0]), int(decoded.shape[1])]
+    uint8 = image_format == "encoded" or dtype == tf.uint8
+    info = {"train_files": train, "test_files": test, "image_key": image_key, "label_key": label_key}
+    return TFRecordSource(train, test, spec, (*size, channels), image_size is not None, num_classes, compression,
+                          shuffle_buffer, cycle_length, rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0),
+                          augment=parse_augment(augment), max_value=255.0 if uint8 else 1.0, info=info)
+
+
+def _files(patterns, key: str) -> list[str]:
+    if patterns is None:
+        raise ValueError(f"data.{key}: give the TFRecord shards, a glob such as /data/train-*.tfrecord or a list.")
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    found = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(str(pattern))))
+        if not matches:
+            raise ValueError(f"data.{key}: {pattern!r} matches no file.")
+        found += [os.path.abspath(m) for m in matches if os.path.isfile(m)]
+    return list(dict.fromkeys(found))
+
+
+def _check_first_record(path: str, key: str, spec: dict, compression) -> bytes:
+    """The image bytes of the file's first record, after checking it holds the features the config names."""
+    try:
+        record = next(iter(tf.data.TFRecordDataset(path, compression_type=compression or "").take(1)), None)
+    except tf.errors.OpError as err:
+        hint = "" if compression else " (if it is compressed, set data.compression=GZIP or ZLIB)"
+        raise ValueError(f"data.{key}: {path!r} is not a readable TFRecord file{hint}: "
+                         f"{err.message.splitlines()[0][:150]}.") from None
+    if record is None:
+        raise ValueError(f"data.{key}: {path!r} holds no records.")
+    example = tf.train.Example()
+    try:
+        example.ParseFromString(record.numpy())
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError
+        raise ValueError(f"data.{key}: the records of {path!r} are not tf.train.Example protos.") from None
+    features = example.features.feature
+    held = {name: f.WhichOneof("kind") for name, f in features.items()}
+    have = ", ".join(f"{n} ({k})" for n, k in sorted(held.items())) or "none"
+    for role, name, kind in (("image_key", spec["image_key"], "bytes_list"), ("label_key", spec["label_key"],
+                                                                             "int64_list")):
+        if name not in held:
+            raise ValueError(f"data.{role}={name!r}: the records of {path!r} have no feature {name!r}; they have: "
+                             f"{have}.")
+        if held[name] != kind:
+            what = ("encoded image bytes or a raw array's bytes" if role == "image_key" else
+                    "int64 class numbers (float targets are not supported: the models here are classifiers)")
+            raise ValueError(f"data.{role}={name!r}: in {path!r} it is a {held[name]}, expected {kind} ({what}).")
+    data = features[spec["image_key"]].bytes_list.value[0]
+    if spec["format"] == "raw":
+        need = int(np.prod(spec["shape"])) * spec["dtype"].size
+        if len(data) != need:
+            raise ValueError(f"data.image_key={spec['image_key']!r}: a record of {path!r} holds {len(data)} bytes; "
+                             f"data.image_shape={list(spec['shape'])} of {spec['dtype'].name} needs {need}.")
+    else:
+        try:
+            tf.io.decode_image(data, expand_animations=False)
+        except tf.errors.OpError:
+            raise ValueError(f"data.image_key={spec['image_key']!r}: the first record of {path!r} is not an encoded "
+                             f"image (JPEG, PNG, BMP, GIF); for an array's bytes set data.image_format=raw.") from None
+    return data

@@ -1,0 +1,95 @@
+"""Between the runner and a data source: this worker's share of each batch, data errors as one line, the record.
+
+    batches = train_iterator(data, batch, seed, strategy)   # iter(data.train_batches(...)), sharded per worker
+    batch = next_batch(batches)                             # a data failure (corrupt file ...) is a DataError
+    for batch in checked(data.eval_batches(n)): ...
+    write_record(out, data)                                 # data.json: class names, sizes, rescale, skipped files
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import re
+from pathlib import Path
+
+from runner.errors import RunnerError
+
+log = logging.getLogger("runner")
+_OP_NOISE = re.compile(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]|\s*\[\[\{\{node [^]]*\]\]")
+_ASSERTION = re.compile(r"assertion failed: \[(.*)\]\s*$")
+
+
+class DataError(RunnerError):
+    """The data could not be read (a corrupt file, an image of another size, a label out of range ...)."""
+
+
+def train_iterator(data, batch: int, seed: int, strategy=None):
+    """The training batches' iterator; under a multi-worker strategy only this worker's rows are loaded,
+    where the source takes a `shard` (the others read every row and use their own)."""
+    shard = worker_shard(strategy)
+    if shard and "shard" in inspect.signature(data.train_batches).parameters:
+        index, count = shard
+        log.info(f"data: this worker loads rows {index * batch // count}..{(index + 1) * batch // count - 1} of "
+                 f"each batch of {batch}")
+        return iter(data.train_batches(batch, seed, shard=shard))
+    return iter(data.train_batches(batch, seed))
+
+
+def worker_shard(strategy) -> tuple[int, int] | None:
+    """(index, count): this process's replicas train rows index*B/count .. (index+1)*B/count of a global batch
+    (`sections` gives replica r rows r*n .. (r+1)*n); None on one worker."""
+    if strategy is None or getattr(strategy, "cluster_resolver", None) is None:
+        return None
+    import tensorflow as tf
+
+    ids = strategy.experimental_local_results(strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(ctx.replica_id_in_sync_group)))
+    local, total = len(ids), strategy.num_replicas_in_sync
+    if local == total:
+        return None
+    return min(int(i) for i in ids) // local, total // local
+
+
+def next_batch(iterator):
+    """`next(iterator)`, with a failure inside the input pipeline reported as one DataError line."""
+    import tensorflow as tf
+
+    try:
+        return next(iterator)
+    except tf.errors.OpError as err:
+        raise DataError(message(err)) from err
+
+
+def checked(dataset):
+    """Iterate `dataset`, reporting input-pipeline failures as DataError."""
+    iterator = iter(dataset)
+    while True:
+        try:
+            batch = next_batch(iterator)
+        except StopIteration:
+            return
+        yield batch
+
+
+def message(err) -> str:
+    """A TensorFlow input-pipeline error as one line: a source's own check verbatim, else TensorFlow's reason."""
+    lines = [line for line in (getattr(err, "message", None) or str(err)).splitlines() if line.strip()]
+    text = _OP_NOISE.sub("", lines[0] if lines else type(err).__name__).strip()
+    own = _ASSERTION.search(text)
+    if own:  # TensorFlow escapes the quotes of the message it prints
+        return own.group(1).replace("\\'", "'").replace('\\"', '"')
+    return f"data: reading the input failed: {text[:300]}"
+
+
+def record(data) -> dict:
+    """What the run records about its data (a source's `info`: class names, sizes, rescale ...); {} if none."""
+    info = getattr(data, "info", None)
+    return dict(info) if isinstance(info, dict) else {}
+
+
+def write_record(out: Path, data) -> None:
+    info = record(data)
+    if info:
+        (Path(out) / "data.json").write_text(json.dumps(info, indent=1))
