@@ -19,7 +19,20 @@ log = logging.getLogger("runner")
 
 
 def available() -> bool:
-    return hasattr(os, "fork")
+    """Fork only where it is safe: POSIX, and TensorFlow's runtime not started in this process (its thread pools
+    hold locks a forked child would wait on forever: seen when a test process that had trained forked a job)."""
+    return hasattr(os, "fork") and not _tensorflow_started()
+
+
+def _tensorflow_started() -> bool:
+    if "tensorflow" not in sys.modules:
+        return False
+    try:
+        from tensorflow.python.eager import context
+
+        return bool(getattr(context.context(), "_initialized", True))
+    except Exception:  # noqa: BLE001 - unknown: do not fork
+        return True
 
 
 def run_in_child(job: Callable[[], float], record: Callable[[dict], None], describe: str) -> float:

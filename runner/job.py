@@ -57,7 +57,7 @@ def _guarded(job, cfg: DictConfig, out: Path, sweep: bool, status: dict) -> floa
         report(err)
         _write(out, sweep, status | {"status": "failed", "error": str(err)})
         if sweep:
-            return _failed_value(hc)
+            return _failed_value()
         sys.exit(err.exit_code)
     except Exception as err:
         from runner.files import no_space, write_error
@@ -67,14 +67,14 @@ def _guarded(job, cfg: DictConfig, out: Path, sweep: bool, status: dict) -> floa
             report(failure)
             _write(out, sweep, status | {"status": "failed", "error": str(failure)})
             if sweep:
-                return float("nan")
+                return _failed_value()
             sys.exit(failure.exit_code)
         if not sweep:
             raise
         (out / "error.txt").write_text(traceback.format_exc())
         log.error(f"job failed: {type(err).__name__}: {err} (traceback in {out / 'error.txt'})")
         _write(out, sweep, status | {"status": "failed", "error": f"{type(err).__name__}: {err} (see error.txt)"})
-        return _failed_value(hc)
+        return _failed_value()
     _write(out, sweep, status | {"status": "completed", "value": value, "metric": _metric_name(out)})
     return value
 
@@ -128,11 +128,11 @@ def _newest(out: Path) -> str:
     return f"resume={out} continues from {saved[-1].with_suffix('')}" if saved else "nothing was saved"
 
 
-def _failed_value(hc) -> float:
+def _failed_value() -> float:
     """What a failed sweep job returns: NaN, or for Optuna (whose study rejects NaN, and whose Hydra plugin then
     stops the sweep) the worst value in the study's direction, so the trial counts as the worst and the study goes
     on. The job's status.json says it failed either way, and the sweep's summary lists it."""
-    sweeper = hc.sweeper
+    sweeper = HydraConfig.get().sweeper
     if "optuna" not in str(sweeper.get("_target_", "")).lower():
         return float("nan")
     direction = sweeper.get("direction", "minimize")

@@ -30,8 +30,10 @@ INSIDE_BLOCKS = {
 
 @pytest.fixture(autouse=True)
 def float32_after():
+    policy = keras.config.dtype_policy()
     yield
     keras.config.set_floatx("float32")
+    keras.config.set_dtype_policy(policy)
 
 
 def exact(check, cuts, policy="recompute"):

@@ -40,6 +40,12 @@ SIZES = {"ResNet50": 32, "ResNet50V2": 32, "MobileNetV2": 32, "DenseNet121": 32,
 THRESHOLD = 1e-8
 
 
+def use(dtype: str) -> None:
+    """Build layers in ``dtype`` from here on (both settings: an explicitly set global policy wins over floatx)."""
+    keras.config.set_floatx(dtype)
+    keras.config.set_dtype_policy(dtype)
+
+
 def build(name: str, size: int, seed: int = 7):
     keras.utils.set_random_seed(seed)
     return getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3), classes=10,
@@ -79,7 +85,7 @@ class Checker:
 
     def __init__(self, name: str, batch_size: int, dtype: str = "float64"):
         self.name, self.size, self.dtype = name, SIZES[name], dtype
-        keras.config.set_floatx(dtype)
+        use(dtype)
         self.batch = make_batch(self.size, batch_size, dtype)
         self.want = reference_gradients(build(name, self.size), self.batch)
         self.twin = build(name, self.size)
@@ -118,19 +124,19 @@ def sweep(name: str, batch: int, partitions: int, single: str | None, float32: b
         picks = cuts if single == "all" else [cuts[int((k + 0.5) * len(cuts) / int(single))]
                                               for k in range(int(single))]
         f32 = Checker(name, batch, "float32") if float32 else None
-        keras.config.set_floatx("float64")
+        use("float64")
         for cut in picks:
             t = time.time()
             err64 = check.error([cut])
             err32 = sens = None
             if f32 is not None:
-                keras.config.set_floatx("float32")
+                use("float32")
                 f32_engine = Engine(f32.net, keras.optimizers.SGD(0.01), sections=[cut])
                 report = compare_with_whole(f32_engine, f32.batch, examples=None)
                 err32, sens = report["gradient_rel_error"], report["sensitivity"]
-                keras.config.set_floatx("float64")
+                use("float64")
             rows.append((name, cut, "recompute", err64, err32, sens, time.time() - t))
-    keras.config.set_floatx("float32")
+    use("float32")
     return rows
 
 
