@@ -39,6 +39,7 @@ def test_one_graph_gradients_and_compare_with_whole():
     report = compare_with_whole(engine, batch, examples=8)
     assert report["exact"] is True, report
 
+@pytest.mark.slow  # ~5 s; XLA exactness stays via test_jit_compiled_engine_equals_jit_whole_graph_step
 
 def test_one_graph_jit_equals_jit_whole_graph_step():
     batch = make_batch()

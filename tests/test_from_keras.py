@@ -110,7 +110,7 @@ APPS = [
     pytest.param("ResNet50V2", ["conv2_block2_1_relu", "conv2_block3_out"], (), id="resnet50v2-names",
                  marks=pytest.mark.slow),
     pytest.param("MobileNetV2", ["block_2_depthwise", "block_3_expand"], ("block_2_depthwise",),
-                 id="mobilenetv2-names"),
+                 id="mobilenetv2-names", marks=pytest.mark.slow),  # 9 s; tests/test_exact_every_cut.py cuts it in-block
     # 27 s on 2 cores: slow (a concatenation across a cut stays in the fast run through the small models below)
     pytest.param("DenseNet121", ["conv2_block2_1_conv", "pool1"][::-1], ("conv2_block2_1_conv",),
                  id="densenet121-names", marks=pytest.mark.slow),

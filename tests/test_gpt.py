@@ -245,6 +245,7 @@ def _runner(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "runner", *args], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=timeout)
 
+@pytest.mark.slow  # ~13 s; the GPT engine is tested in process
 
 def test_runner_smoke_run_reports_bits_per_char(tmp_path):
     out = tmp_path / "run"

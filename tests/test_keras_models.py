@@ -128,6 +128,7 @@ def run(*args, timeout=300, env=None):
 SMOKE = ["data=synthetic", "data.image_shape=[8,8,3]", "data.train_size=64", "data.test_size=16", "batch=8",
          "train=smoke"]
 
+@pytest.mark.slow  # ~8 s; from_keras cuts by name are tested in process
 
 def test_runner_trains_a_saved_file_at_its_layer_names(tmp_path):
     small_model().save(tmp_path / "m.keras")

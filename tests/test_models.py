@@ -199,6 +199,7 @@ def _seq2seq_bucket_batches(source_buckets, target_buckets):
     src = data.sequences(source_buckets=source_buckets, target_buckets=target_buckets)
     return src, list(src.eval_batches(4).take(len(source_buckets) * len(target_buckets)))
 
+@pytest.mark.slow  # ~10 s; test_engine_traces_seq2seq_sections_once_per_bucket stays
 
 def test_seq2seq_sections_trace_once_per_bucket_not_per_pair():
     """Compiled separately, the encoder traces per source length and the decoder per target length:

@@ -133,6 +133,7 @@ def test_event_file_holds_every_tag_text_and_hparams(tiny_run):
     assert {tuple(tags) for tags in charts.values()} >= {(r"memory_MiB/section_\d+",), (r"forward_runs/section_\d+",)}
     assert any("MiB" in title for title in charts)
 
+@pytest.mark.slow  # ~8 s; the event file's tags are read in the fast set
 
 def test_tensorboard_serves_the_scalar_tags(tiny_run):
     out, _ = tiny_run
@@ -158,6 +159,7 @@ def test_tensorboard_serves_the_scalar_tags(tiny_run):
         proc.terminate()
         proc.wait(10)
 
+@pytest.mark.slow  # ~40 s; resume through the CLI stays in the fast set via test_runner_faults (overrides on resume) and in-process checkpoint tests
 
 def test_resume_continues_in_the_same_folder_from_its_own_config(tiny_run, tmp_path):
     full, _ = tiny_run
@@ -226,6 +228,7 @@ def test_killed_run_with_dropout_resumes_bit_identically(tmp_path):
     assert [s for s, _ in resumed] == list(range(1, steps + 1))  # the killed run's tail was dropped
     assert resumed == reference
 
+@pytest.mark.slow  # ~23 s; test_failing_sweep_job_does_not_stop_the_others runs a sweep in the fast set
 
 def test_sweep_makes_one_run_per_job_with_hparams_and_clean_state(tmp_path):
     sweep = tmp_path / "sweep"
@@ -309,7 +312,7 @@ def test_signal_saves_a_checkpoint_and_exits(sig, code, name, tmp_path):
 
 @pytest.mark.parametrize("args", [
     ["model=mlp", "model.hidden=[16]"],
-    ["model=attention", "model.filters=[4,4]", "model.hidden=8"],
+    pytest.param(["model=attention", "model.filters=[4,4]", "model.hidden=8"], marks=pytest.mark.slow),  # ~11 s
     pytest.param(["model=seq2seq", "data=sequences", "model.units=8", "model.embed_dim=4", "data.eval_size=32"],
                  marks=pytest.mark.slow),  # ~15 s; seq2seq's engine equivalence is in test_models
     ["model=resnet", "model.widths=[4,4,4]", "model.depths=[1,1,1]", "data=synthetic", "sections=auto",

@@ -122,9 +122,9 @@ BAD = [
     (["resume={tmp}/nope"], "resume={tmp}/nope: no such folder"),
     (["resume={tmp}/other", "+data.extra=1"], "cannot change data.extra (null -> 1) on resume"),
     (["-m", "resume={tmp}/other", "train.steps=3,4"], "it cannot be part of a sweep (-m)"),
-    ([*TINY, "sections=99"], "sections=99: this model has 5 blocks; allowed: 1 to 5"),
-    ([*TINY, "sections=[scale1,nope]"], "sections=[scale1,nope]: unknown boundary name(s) nope; allowed: initial_conv"),
-    ([*TINY, "optimizer._target_=keras.optimizers.Nope"], "optimizer._target_=keras.optimizers.Nope: cannot build"),
+    pytest.param([*TINY, "sections=99"], "sections=99: this model has 5 blocks; allowed: 1 to 5", marks=pytest.mark.slow),
+    pytest.param([*TINY, "sections=[scale1,nope]"], "sections=[scale1,nope]: unknown boundary name(s) nope; allowed: initial_conv", marks=pytest.mark.slow),
+    pytest.param([*TINY, "optimizer._target_=keras.optimizers.Nope"], "optimizer._target_=keras.optimizers.Nope: cannot build", marks=pytest.mark.slow),
 ]
 
 

@@ -35,6 +35,7 @@ def run_in_process(out: Path, *overrides: str) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
+@pytest.mark.slow  # ~14 s; the engine under MirroredStrategy is tested in process (test_engine_distribute)
 @pytest.mark.skipif(len(tf.config.list_logical_devices("CPU")) < 2, reason="needs 2 logical CPU devices")
 def test_a_mirrored_run_trains_like_one_device_and_records_its_replicas(tmp_path):
     one = run_in_process(tmp_path / "one")

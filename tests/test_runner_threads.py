@@ -20,6 +20,7 @@ SCRIPT = textwrap.dedent("""
         print("ERROR", err)
 """)
 
+@pytest.mark.slow  # ~6 s
 
 def test_threads_are_set_once_and_a_different_value_later_names_the_way_out():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
