@@ -128,7 +128,8 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a[-1:]) for a, _ in BAD])
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join((c.values if hasattr(c, "values") else c)[0][-1:])
+                                                    for c in BAD])
 def test_bad_input_exits_with_one_line_naming_the_key(args, message, tmp_path):
     _fake_run(tmp_path / "other")
     out = tmp_path / "run"

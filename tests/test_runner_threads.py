@@ -4,6 +4,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     from runner.errors import ConfigError
     from runner.threads import set_inter_op_threads
