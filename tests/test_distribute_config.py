@@ -138,6 +138,7 @@ def outcome(proc: subprocess.Popen) -> list[dict]:
     assert proc.returncode == 0, err[-3000:]
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
+@pytest.mark.slow  # ~5 s; the engine under 2 logical CPUs stays in test_engine_distribute
 
 def test_mirrored_over_two_logical_cpu_devices_has_two_replicas():
     seen, again = outcome(worker({"kind": "mirrored", "cpu_devices": 2}, 8, {"kind": "mirrored", "cpu_devices": 4}))

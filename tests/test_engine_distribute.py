@@ -45,9 +45,9 @@ def trained(cls, factory, st, data, **kw):
 
 SCHEDULES = [
     dict(sections=3),
-    dict(sections=3, policy="store"),
+    pytest.param(dict(sections=3, policy="store"), marks=pytest.mark.slow),  # store is in the recreate schedule
     dict(sections=4, policy=["recompute", "recreate", "store", "recompute"]),
-    dict(sections=3, one_graph=True),
+    pytest.param(dict(sections=3, one_graph=True), marks=pytest.mark.slow),  # ~5 s
 ]
 
 
@@ -150,6 +150,7 @@ def test_store_across_synchronized_batch_norm_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^section_0: policy 'store' cannot keep a tape across a cross-replica op"):
         engine.train_step(data[0])
 
+@pytest.mark.slow  # ~4 s
 
 def test_recompute_grad_and_the_planner_run_under_a_strategy():
     st, data = strategy(), batches(2)

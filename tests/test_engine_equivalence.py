@@ -41,6 +41,7 @@ def test_sectioned_step_equals_whole_graph_step(sections, policy):
     moved = [not np.array_equal(b, v.numpy()) for b, v in zip(before, ref.non_trainable_variables)]
     assert sum(moved) >= 3
 
+@pytest.mark.slow  # ~4 s; XLA under the one-graph engine and in precision tests
 
 def test_jit_compiled_engine_equals_jit_whole_graph_step():
     # XLA draws its own random bits for stateless ops, so the reference is the XLA whole-graph step.

@@ -137,6 +137,7 @@ def test_runner_trains_a_saved_file_at_its_layer_names(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exact          yes" in proc.stdout + proc.stderr
 
+@pytest.mark.slow  # ~7 s; the nearest-cut message is tested in process (test_from_keras)
 
 def test_runner_names_the_nearest_cuts_for_an_impossible_one(tmp_path):
     small_model().save(tmp_path / "m.keras")
@@ -162,6 +163,7 @@ def test_help_lists_the_cut_names_of_the_chosen_model_and_caches_them(tmp_path):
     again = run(*args, env=env)
     assert again.stdout[again.stdout.index("== Cut names of"):].splitlines() == section
 
+@pytest.mark.slow  # ~6 s
 
 def test_help_never_downloads_and_does_not_cache_a_data_failure(tmp_path):
     proc = run("model=keras_app", "model.name=MobileNetV2", "data=mnist", f"data.path={tmp_path / 'none.npz'}", "--help",

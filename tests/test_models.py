@@ -240,6 +240,7 @@ def test_seq2seq_sections_trace_once_per_bucket_not_per_pair():
     assert sectioned == 2 * 2 + 3
     assert whole.experimental_get_tracing_count() == 6
 
+@pytest.mark.slow  # ~4 s
 
 def test_engine_traces_seq2seq_sections_once_per_bucket():
     src, batches = _seq2seq_bucket_batches([3, 5], [2, 4, 6])

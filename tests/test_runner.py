@@ -262,6 +262,7 @@ def test_failing_sweep_job_does_not_stop_the_others(tmp_path):
     assert "batch=0: must be a positive integer" in proc.stderr.split("[sweep] failed jobs:")[1]
     assert "Traceback" not in proc.stderr
 
+@pytest.mark.slow  # ~10 s; the non-finite stop stays fast in test_runner_faults (NaN weights, in process)
 
 def test_nan_loss_stops_naming_the_newest_all_finite_checkpoint(tmp_path):
     import numpy as np
@@ -287,6 +288,7 @@ def test_nan_loss_stops_naming_the_newest_all_finite_checkpoint(tmp_path):
     assert not (out / "metrics.json").exists()
 
 
+@pytest.mark.slow  # ~10 s; a signal before training stays in the fast set
 @pytest.mark.parametrize("sig,code,name", [pytest.param(signal.SIGINT, 130, "Ctrl-C", marks=pytest.mark.slow),
                                            (signal.SIGTERM, 143, "SIGTERM")],  # one handler for both
                          ids=["ctrl-c", "sigterm"])
@@ -311,7 +313,7 @@ def test_signal_saves_a_checkpoint_and_exits(sig, code, name, tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["model=mlp", "model.hidden=[16]"],
+    pytest.param(["model=mlp", "model.hidden=[16]"], marks=pytest.mark.slow),  # ~8 s; tiny_run and resnet-auto stay
     pytest.param(["model=attention", "model.filters=[4,4]", "model.hidden=8"], marks=pytest.mark.slow),  # ~11 s
     pytest.param(["model=seq2seq", "data=sequences", "model.units=8", "model.embed_dim=4", "data.eval_size=32"],
                  marks=pytest.mark.slow),  # ~15 s; seq2seq's engine equivalence is in test_models

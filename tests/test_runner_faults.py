@@ -291,6 +291,7 @@ def test_a_full_disk_while_writing_events_is_one_line_and_keeps_what_was_written
     _, code = run_in_process(tmp_path / "hydra", f"resume={out}", "train.steps=6")
     assert code is None and json.loads((out / "metrics.json").read_text())["step"] == 6
 
+@pytest.mark.slow  # ~6 s; a full disk stays fast through the event-file case
 
 def test_a_full_disk_while_rewriting_config_yaml_keeps_the_old_one(tmp_path, monkeypatch, capsys):
     import runner.files
@@ -320,6 +321,7 @@ def test_a_full_disk_while_rewriting_config_yaml_keeps_the_old_one(tmp_path, mon
     assert code is None and "learning_rate: 0.002" in (out / "config.yaml").read_text()
     assert json.loads((out / "metrics.json").read_text())["step"] == 4
 
+@pytest.mark.slow  # ~4 s
 
 def test_an_interrupted_event_file_trim_is_recovered_and_a_full_one_is_one_line(tmp_path, monkeypatch):
     import tensorflow as tf
