@@ -16,25 +16,29 @@ from typing import MutableMapping
 
 BFC = "TF_CPU_ALLOCATOR_USE_BFC"
 ONEDNN = "TF_ENABLE_ONEDNN_OPTS"
-# What sectionflow sets where the user set nothing. BFC gives the statistics; oneDNN is what TensorFlow leaves off on
-# some x86 CPUs, and turning it on halved the default run's step time on two machines (BENCHMARKS.md, "CPU
-# allocator"): 1.746 -> 0.889 s on an AMD EPYC without AVX2, 5.03 -> 2.59 s on a loaded AVX-512 machine.
-DEFAULTS = {BFC: "true"}
-X86_DEFAULTS = {ONEDNN: "1"}
+# What sectionflow sets where the user set nothing: oneDNN on x86 (TensorFlow leaves it off on some x86 CPUs; turning
+# it on halved the default run's step time: BENCHMARKS.md, "CPU allocator"), which brings a CPU allocator that keeps
+# statistics; where oneDNN stays off (the user's choice, or not x86), the BFC allocator, which keeps them too.
+ONEDNN_ON_X86 = "1"
+BFC_WITHOUT_ONEDNN = "true"
 MARKER = "SECTIONFLOW_ALLOCATOR_SET"  # which variables configure() set (child processes inherit it)
 
 
 def configure(environ: MutableMapping[str, str] | None = None, tensorflow_loaded: bool | None = None) -> str:
-    """Before TensorFlow loads: ``TF_CPU_ALLOCATOR_USE_BFC=true`` (memory statistics) and, on x86,
-    ``TF_ENABLE_ONEDNN_OPTS=1`` (faster CPU kernels), each only where the user has not set it; returns a line
-    saying what is in effect and who set it. Does nothing once TensorFlow is loaded."""
+    """Before TensorFlow loads, each only where the user has not set it: on x86 ``TF_ENABLE_ONEDNN_OPTS=1`` (faster
+    kernels, and an allocator that keeps statistics); where oneDNN is off, ``TF_CPU_ALLOCATOR_USE_BFC=true`` (the
+    statistics). Returns a line saying what is in effect and who set it. Does nothing once TensorFlow is loaded."""
     env = os.environ if environ is None else environ
     loaded = "tensorflow" in sys.modules if tensorflow_loaded is None else tensorflow_loaded
     if not loaded:
-        wanted = {**DEFAULTS, **(X86_DEFAULTS if platform.machine().lower() in ("x86_64", "amd64") else {})}
-        chosen = [key for key in wanted if env.get(key) is None]
-        for key in chosen:
-            env[key] = wanted[key]
+        chosen = []
+        if env.get(ONEDNN) is None and platform.machine().lower() in ("x86_64", "amd64"):
+            env[ONEDNN] = ONEDNN_ON_X86
+            chosen.append(ONEDNN)
+        onednn_on = env.get(ONEDNN, "").strip().lower() in ("1", "true")
+        if env.get(BFC) is None and not onednn_on:
+            env[BFC] = BFC_WITHOUT_ONEDNN
+            chosen.append(BFC)
         if chosen:
             env[MARKER] = ",".join(chosen)
     return describe(env)
