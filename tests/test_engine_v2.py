@@ -78,9 +78,10 @@ def assert_same(layers_a, layers_b):
 
 
 @pytest.mark.parametrize("sections,policy", [
-    (1, "recompute"),
-    (7, ["store", "recreate", "recreate", "recompute", "recreate", "store", "recompute"]),
-    ("auto", None),
+    pytest.param(1, "recompute", marks=pytest.mark.slow),  # test_engine_equivalence covers one section
+    pytest.param(7, ["store", "recreate", "recreate", "recompute", "recreate", "store", "recompute"],
+                 marks=pytest.mark.slow),  # the multi-level schedules below stay
+    pytest.param("auto", None, marks=pytest.mark.slow),  # the planner is tested in test_planner
 ], ids=str)
 def test_first_steps_equal_a_plain_loop_over_lazily_built_layers(sections, policy):
     batches = [batch(s) for s in range(2)]

@@ -252,6 +252,7 @@ def token_batch():
     tokens = np.array([[3, 1, 4, 1, 5, 9], [2, 6, 5, 0, 0, 0], [5, 3, 0, 0, 0, 0], [8, 9, 7, 9, 3, 0]])
     return {"tokens": tf.constant(tokens, tf.int32), "label": tf.constant([0, 1, 2, 1], tf.int32)}
 
+@pytest.mark.slow  # ~5 s; test_masking_layer_mask_crosses_cuts stays
 
 def test_masking_layers_see_the_same_mask_across_cuts():
     batch = token_batch()

@@ -147,6 +147,7 @@ def test_runner_names_the_nearest_cuts_for_an_impossible_one(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "'nope'" in lines[0] and "Allowed cut layers: ['conv', 'bn'" in lines[0], proc.stderr
 
+@pytest.mark.slow  # ~8 s; --help is tested fast in test_runner_config
 
 def test_help_lists_the_cut_names_of_the_chosen_model_and_caches_them(tmp_path):
     small_model().save(tmp_path / "m.keras")

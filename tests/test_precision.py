@@ -202,7 +202,8 @@ def test_gradients_are_unscaled_in_the_engine_and_the_baselines(trainer, precisi
     assert worst(zip(grads, ref_grads)) <= tol
 
 
-@pytest.mark.parametrize("precision,dtype", [("mixed_bfloat16", tf.bfloat16), ("mixed_float16", tf.float16)])
+@pytest.mark.parametrize("precision,dtype", [("mixed_bfloat16", tf.bfloat16),
+                                             pytest.param("mixed_float16", tf.float16, marks=pytest.mark.slow)])  # ~4 s
 def test_borders_are_kept_in_the_compute_dtype(precision, dtype, policy):
     batch = make_batch(0)
     policy("float32")
