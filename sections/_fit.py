@@ -18,7 +18,7 @@ from keras.src.losses.loss import unscale_loss_for_distribution
 
 from ._base import add_gradients
 from ._engine import Engine
-from ._keras import README_SECTION, from_keras
+from ._keras import _checked, from_keras
 
 __all__ = ["SectionedModel"]
 
@@ -297,20 +297,7 @@ def _regularized(model) -> list:
 
 
 def _check_model(model) -> None:
-    if not isinstance(model, keras.Model):
-        raise ValueError(f"SectionedModel wraps a keras.Model (Functional or Sequential); got "
-                         f"{type(model).__name__}.")
-    from keras.src.models.functional import Functional
-
-    if isinstance(model, keras.Sequential):
-        if getattr(model, "_functional", None) is None:
-            raise ValueError(f"SectionedModel: Sequential model {model.name!r} is not built; start it with "
-                             f"keras.Input(shape=...) (or call model.build(input_shape)) before wrapping it.")
-    elif not isinstance(model, Functional):
-        raise ValueError(f"SectionedModel cannot cut model {model.name!r} of class {type(model).__name__}: a "
-                         f"subclassed model's call() is Python code with no layer graph; build it with the "
-                         f"functional API or keras.Sequential, or write its blocks as a sections.Network and "
-                         f"train it with sections.Engine ({README_SECTION}).")
+    _checked(model, "SectionedModel")
     active = [layer.name for layer in model._flatten_layers() if getattr(layer, "activity_regularizer", None)]
     if active:
         raise ValueError(f"SectionedModel: layer(s) {active} have an activity_regularizer, a loss made inside a "

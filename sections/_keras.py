@@ -328,23 +328,22 @@ def from_keras(model, loss, inputs: str = "image", fields=None, metrics=None, lo
     return net
 
 
-def _checked(model):
+def _checked(model, user: str = "Network.from_keras"):
+    """A built Functional or Sequential model, or one line saying what ``user`` (the caller's name) cannot take."""
     if not isinstance(model, keras.Model):
-        raise ValueError(f"Network.from_keras needs a keras.Model (Functional or Sequential); got "
-                         f"{type(model).__name__}.")
+        raise ValueError(f"{user} needs a keras.Model (Functional or Sequential); got {type(model).__name__}.")
     if isinstance(model, keras.Sequential):
         if getattr(model, "_functional", None) is None:
-            raise ValueError(f"Sequential model {model.name!r} is not built: give it a keras.Input(shape=...) "
-                             f"as its first layer, or call model.build(input_shape) before Network.from_keras.")
+            raise ValueError(f"{user}: Sequential model {model.name!r} is not built: give it a "
+                             f"keras.Input(shape=...) as its first layer, or call model.build(input_shape) first.")
         return model
     from keras.src.models.functional import Functional
 
     if not isinstance(model, Functional):
         raise ValueError(
-            f"Network.from_keras cannot cut model {model.name!r} of class {type(model).__name__}: it is a "
-            f"subclassed model, whose call() is Python code with no layer graph to cut. Build it with the "
-            f"functional API or keras.Sequential, or write the blocks by hand as a sections.Network (see "
-            f"{README_SECTION}).")
+            f"{user} cannot cut model {model.name!r} of class {type(model).__name__}: it is a subclassed model, "
+            f"whose call() is Python code with no layer graph to cut. Build it with the functional API or "
+            f"keras.Sequential, or write the blocks by hand as a sections.Network (see {README_SECTION}).")
     if not model.built:
         raise ValueError(f"Model {model.name!r} is not built; call it on a batch first.")
     return model
