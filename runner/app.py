@@ -30,7 +30,7 @@ def run(cfg: DictConfig, out: Path) -> float:
     from runner import distribute
 
     task = distribute.check(cfg)
-    if task is not None and not task.is_chief():
+    if task is not None and not task.is_chief:
         return _run(cfg, out, changes)  # the chief holds the folder's lock; this worker writes into scratch
     from runner.lock import holding
 

@@ -43,6 +43,7 @@ class TrainConfig:
     verify_exact: bool = True  # before training: one step vs one whole-graph step (state restored after)
     profile_steps: Optional[List[int]] = None  # [first, last]: a TensorBoard profile of those steps
     precision: str = "float32"  # float32 | mixed_bfloat16 | mixed_float16 (Keras dtype policy; float16 scales the loss)
+    save_model: Any = True  # true: model.keras and model.best.keras in the run folder | final: model.keras | false
 
 
 @dataclass

@@ -27,6 +27,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
 
     from runner import datafeed
     from runner.checkpoint import Checkpoints
+    from runner.export import ModelFiles
     from runner.finite import FiniteCheck
     from runner.record import RunRecord
     from runner.resume import apply_optimizer_changes
@@ -56,6 +57,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
             record.exactness(exactness)
 
         eval_batch = train.eval_batch or cfg.batch
+        model_files = ModelFiles(out, engine, data, setup.probe, train.get("save_model", True))
         history, results, step = [], {}, start
         progress = Progress(train.steps, start, train.progress, train.log_every)
         profiler = Profiler(train.get("profile_steps"), out)
@@ -85,6 +87,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
                         results = evaluate(engine, data, eval_batch)
                         record.board.scalars(step, {f"{k}/eval": v for k, v in results.items()})
                         progress.write(f"eval @ step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in results.items()))
+                        model_files.evaluated(step, results)
                     if _due(step, train.checkpoint_every, train.steps):
                         checkpoints.save(step)
                     if stop.requested and step < train.steps:
@@ -95,6 +98,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
         finally:
             profiler.close()
             progress.close()
+        model_files.final(step)
         metrics = {**describe_setup(engine, cfg.batch), **exactness,
                    **summarize(history, results, data, cfg.batch, step)}
         if datafeed.record(data):

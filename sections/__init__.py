@@ -14,7 +14,7 @@ _EXPORTS = {
     "Section": "._partition",
     "Policy": "._policies", "Recompute": "._policies", "Store": "._policies", "Recreate": "._policies",
     "Plan": "._planner", "plan_schedule": "._planner", "Schedule": "._schedule",
-    "compare_with_whole": "._verify",
+    "compare_with_whole": "._verify", "to_keras": "._export",
     "POLICIES": ".rules", "STRATEGIES": ".rules", "parse_bytes": ".rules",
 }
 

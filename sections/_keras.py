@@ -325,6 +325,7 @@ def from_keras(model, loss, inputs: str = "image", fields=None, metrics=None, lo
     )
     if names_hint:
         net.names_hint = names_hint
+    net.source_model = model  # the layers' own model, with the trained weights (``sections.to_keras``)
     return net
 
 

@@ -10,7 +10,8 @@ from .mnist import mnist
 from .sequences import SequenceSource, sequences
 from .synthetic import synthetic
 from .text import TextSource, text
+from .tfds import TFDSSource, tfds
 from .tfrecord import TFRecordSource, tfrecord
 
-__all__ = ["digits", "mnist", "synthetic", "sequences", "text", "image_folder", "arrays", "tfrecord", "ImageSource",
-           "StreamSource", "ImageFolderSource", "ArraySource", "TFRecordSource", "SequenceSource", "TextSource"]
+__all__ = ["digits", "mnist", "synthetic", "sequences", "text", "image_folder", "arrays", "tfrecord", "tfds", "ImageSource",
+           "StreamSource", "ImageFolderSource", "ArraySource", "TFRecordSource", "TFDSSource", "SequenceSource", "TextSource"]

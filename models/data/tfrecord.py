@@ -19,32 +19,39 @@ from .image_folder import COLOR_MODES
 
 FORMATS = ("encoded", "raw")
 COMPRESSION = (None, "GZIP", "ZLIB")
+_PART_TYPES = (tf.string, tf.int64, tf.int64)
 
 
 class TFRecordSource(StreamSource):
     """Records with an image feature and an int64 label feature; see ``tfrecord``."""
 
-    def __init__(self, train_files: list[str], test_files: list[str], spec: dict, image_shape, resize: bool,
-                 num_classes: int, compression, shuffle_buffer: int, cycle_length: int, **kwargs):
+    def __init__(self, train_files: list, test_files: list, spec: dict, image_shape, resize: bool,
+                 num_classes: int, compression, shuffle_buffer: int, cycle_length: int, name: str = "tfrecord",
+                 sizes=(None, None), **kwargs):
+        # A shard is a path, or (path, skip, take): its records skip .. skip + take (take -1: to the end).
         self.train_files, self.test_files = train_files, test_files
+        self._train_parts, self._test_parts = _parts(train_files), _parts(test_files)
         self._spec, self._resize, self._compression = spec, resize, compression or ""
         self.shuffle_buffer, self.cycle_length = shuffle_buffer, cycle_length
-        super().__init__("tfrecord", image_shape, num_classes, None, None, **kwargs)
+        super().__init__(name, image_shape, num_classes, *sizes, **kwargs)
 
-    def _records(self, files):
-        read = lambda f: tf.data.TFRecordDataset(f, compression_type=self._compression)  # noqa: E731
+    def _records(self, parts):
+        def read(path, skip, take):
+            return tf.data.TFRecordDataset(path, compression_type=self._compression).skip(skip).take(take)
+
         # Sequential: reading records is cheap (decoding, in the parallel map after, is not), and a parallel
         # interleave under symbolic checkpointing crashes TensorFlow 2.21 now and then (a segfault).
-        return files.interleave(read, cycle_length=min(self.cycle_length, len(self.train_files)))
+        return parts.interleave(read, cycle_length=min(self.cycle_length, len(self.train_files)))
 
     def _train_stream(self, seed):
-        files = tf.constant(self.train_files)
+        paths, skips, takes = (tf.constant(c, dtype) for c, dtype in zip(self._train_parts, _PART_TYPES))
         window = self.shuffle_buffer
 
         def epoch(e):
             key = tf.stack([tf.constant(seed, tf.int64), e])
-            order = tf.random.experimental.stateless_shuffle(files, key)
-            records = self._records(tf.data.Dataset.from_tensor_slices(order))
+            order = tf.random.experimental.stateless_shuffle(tf.range(tf.size(paths)), key)
+            parts = tf.data.Dataset.from_tensor_slices(order).map(lambda i: (paths[i], skips[i], takes[i]))
+            records = self._records(parts)
             if window <= 1:
                 return records
             mixed = records.batch(window).enumerate().map(
@@ -55,7 +62,8 @@ class TFRecordSource(StreamSource):
         return tf.data.Dataset.counter().flat_map(epoch)
 
     def _test_stream(self):
-        return self._records(tf.data.Dataset.from_tensor_slices(tf.constant(self.test_files)))
+        return self._records(tf.data.Dataset.from_tensor_slices(
+            tuple(tf.constant(c, dtype) for c, dtype in zip(self._test_parts, _PART_TYPES))))
 
     def _load(self, record):
         spec = self._spec
@@ -144,6 +152,12 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
     return TFRecordSource(train, test, spec, (*size, channels), image_size is not None, num_classes, compression,
                           shuffle_buffer, cycle_length, rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0),
                           augment=parse_augment(augment), max_value=255.0 if uint8 else 1.0, info=info)
+
+
+def _parts(files) -> tuple[list[str], list[int], list[int]]:
+    """Paths, skips and takes of a list of paths or ``(path, skip, take)`` triples."""
+    triples = [(f, 0, -1) if isinstance(f, str) else tuple(f) for f in files]
+    return [t[0] for t in triples], [int(t[1]) for t in triples], [int(t[2]) for t in triples]
 
 
 def _files(patterns, key: str) -> list[str]:

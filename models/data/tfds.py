@@ -1,0 +1,212 @@
+"""A TensorFlow Datasets image-classification data set, by name, from its prepared TFRecord shards.
+
+The split (TFDS syntax: ``train``, ``train[:90%]``, ``train[10%:]+test``) becomes shards and record ranges that
+``TFRecordSource`` streams (stateless shuffles, exact resume); each record is decoded by the data set's own
+feature spec. ``download=true`` prepares a missing data set where the network allows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import tensorflow as tf
+
+from ._stream import check_label, fail_unless, parse_augment, parse_rescale
+from .tfrecord import TFRecordSource
+
+
+class TFDSSource(TFRecordSource):
+    """Records of a prepared TFDS data set, decoded by its features; see ``tfds``."""
+
+    def __init__(self, features, **kwargs):
+        self._features = features
+        super().__init__(**kwargs)
+
+    def _load(self, record):
+        spec = self._spec
+        example = self._features.deserialize_example(record)
+        image, label = example[spec["image_key"]], example[spec["label_key"]]
+        label = check_label(label, self.num_classes, f"an example (data.label_key={spec['label_key']!r})")
+        h, w, c = self.image_shape
+        if self._resize:
+            return tf.image.resize(image, [h, w]), label
+        size = tf.shape(image)
+        ok = tf.logical_and(tf.equal(size[0], h), tf.equal(size[1], w))
+        image = fail_unless(ok, image, f"data.name={self.info['tfds_name']!r}: an image is ", size[0], "x", size[1],
+                            f" but the first is {h}x{w}; set data.image_size=[height,width] to resize every image")
+        return image, label
+
+
+def tfds(name: str | None = None, data_dir: str | None = None, train_split: str = "train",
+         test_split: str = "test", download: bool = False, image_key: str | None = None,
+         label_key: str | None = None, num_classes: int | None = None, image_size: Sequence[int] | None = None,
+         shuffle_buffer: int = 1024, cycle_length: int = 4, rescale=None, augment: Sequence[str] = ()) -> TFDSSource:
+    """A TFDS image-classification data set (``mnist``, ``cifar10``, ``imagenette/320px``, your own builder's).
+
+    Args:
+        name: the data set's TFDS name, optionally with config and version (``cifar10``, ``mnist:3.0.1``).
+        data_dir: where prepared data sets live (``None``: TFDS's default, ``~/tensorflow_datasets`` or
+            ``$TFDS_DATA_DIR``).
+        train_split, test_split: TFDS split expressions (``train[:90%]``, ``train[90%:]``).
+        download: prepare the data set in ``data_dir`` when it is not there (needs the network).
+        image_key, label_key: the features; ``None``: the data set's supervised keys, else ``image``/``label``.
+        num_classes: only for a label feature that is a plain integer (a ``ClassLabel`` knows its classes).
+        image_size: ``[height, width]`` every image is resized to; ``None``: the data set's fixed size, or the
+            first image's (others must match).
+        shuffle_buffer, cycle_length, rescale, augment: as for ``tfrecord``.
+    """
+    tfds_lib = _import_tfds()
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"data.name={name!r}: give a TensorFlow Datasets name such as mnist, cifar10 or "
+                         f"imagenette/320px (https://www.tensorflow.org/datasets/catalog).")
+    builder = _builder(tfds_lib, name, data_dir)
+    if not _prepared(builder):
+        if not download:
+            raise FileNotFoundError(f"data.name={name!r} is not prepared in {_where(builder)}: set "
+                                    f"data.download=true where the network allows, or run `tfds build {name} "
+                                    f"--data_dir DIR` on a machine with network access and copy DIR here "
+                                    f"(data.data_dir=DIR).")
+        _download(builder, name)
+    info = builder.info
+    if str(info.file_format).split(".")[-1].lower() != "tfrecord":
+        raise ValueError(f"data.name={name!r}: prepared as {info.file_format}; only TFRecord data sets are read "
+                         f"(prepare it with file_format=tfrecord).")
+    keys = tuple(info.supervised_keys or ()) if not isinstance(info.supervised_keys, dict) else ()
+    image_key = image_key or (keys[0] if len(keys) == 2 and isinstance(keys[0], str) else "image")
+    label_key = label_key or (keys[1] if len(keys) == 2 and isinstance(keys[1], str) else "label")
+    features = info.features
+    image_feature = _feature(features, image_key, "image_key", name)
+    label_feature = _feature(features, label_key, "label_key", name)
+    shape = tuple(image_feature.shape)
+    if not isinstance(image_feature, tfds_lib.features.Image) or len(shape) != 3:
+        raise ValueError(f"data.image_key={image_key!r}: in {name!r} it is {image_feature!r}, not an image "
+                         f"[height, width, channels].")
+    class_names = None
+    if isinstance(label_feature, tfds_lib.features.ClassLabel):
+        class_names = list(label_feature.names)
+        num_classes = label_feature.num_classes
+    elif not (label_feature.shape == () and tf.as_dtype(label_feature.tf_dtype).is_integer):
+        raise ValueError(f"data.label_key={label_key!r}: in {name!r} it is {label_feature!r}; expected class "
+                         f"numbers (a ClassLabel or an integer scalar).")
+    elif isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise ValueError(f"data.num_classes={num_classes!r}: {name!r}'s label {label_key!r} is a plain integer; "
+                         f"give the number of classes (an integer >= 1).")
+    for key, value in (("shuffle_buffer", shuffle_buffer), ("cycle_length", cycle_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"data.{key}={value!r}: must be an integer >= 1.")
+    train, n_train = _split(info, train_split, "train_split", name)
+    test, n_test = _split(info, test_split, "test_split", name)
+    if image_size is not None:
+        if len(image_size) != 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in image_size):
+            raise ValueError(f"data.image_size={image_size!r}: must be [height, width], two integers >= 1.")
+        size = list(image_size)
+    elif shape[0] is not None and shape[1] is not None:
+        size = list(shape[:2])
+    else:
+        first = next(iter(tf.data.TFRecordDataset(train[0][0]).skip(train[0][1]).take(1)))
+        image = features.deserialize_example(first)[image_key]
+        size = [int(image.shape[0]), int(image.shape[1])]
+    uint8 = tf.as_dtype(image_feature.tf_dtype) == tf.uint8
+    record = {"tfds_name": name, "data_dir": _where(builder), "version": str(builder.version),
+              "train_split": train_split, "test_split": test_split, "image_key": image_key, "label_key": label_key}
+    if class_names is not None:
+        record["class_names"] = class_names
+    spec = {"image_key": image_key, "label_key": label_key}
+    source = TFDSSource(features, train_files=train, test_files=test, spec=spec, image_shape=(*size, shape[2]),
+                        resize=image_size is not None, num_classes=num_classes, compression=None,
+                        shuffle_buffer=shuffle_buffer, cycle_length=cycle_length, name="tfds",
+                        sizes=(n_train, n_test), rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0),
+                        augment=parse_augment(augment), max_value=255.0 if uint8 else 1.0, info=record)
+    if class_names is not None:
+        source.class_names = class_names
+    return source
+
+
+def _import_tfds():
+    try:
+        import tensorflow_datasets
+    except ImportError as err:
+        raise ValueError(f"data=tfds needs the tensorflow-datasets package ({err}); install it with "
+                         f"`pip install tensorflow-datasets`.") from None
+    return tensorflow_datasets
+
+
+def _builder(tfds_lib, name: str, data_dir):
+    try:
+        return tfds_lib.builder(name, data_dir=data_dir)
+    except tfds_lib.core.registered.DatasetNotFoundError:
+        raise ValueError(f"data.name={name!r}: no TFDS data set of that name, registered or prepared in "
+                         f"{data_dir or 'the default data_dir'} (catalog: https://www.tensorflow.org/datasets/"
+                         f"catalog; a data set of your own: its folder data_dir/{name}/<version>).") from None
+    except (ValueError, AssertionError) as err:  # a bad config or version in the name
+        raise ValueError(f"data.name={name!r}: {str(err).splitlines()[0][:200]}") from None
+
+
+def _prepared(builder) -> bool:
+    check = getattr(builder, "is_prepared", None)
+    return bool(check()) if check else tf.io.gfile.exists(str(builder.data_path / "dataset_info.json"))
+
+
+def _where(builder) -> str:
+    return str(getattr(builder, "data_dir_root", None) or builder.data_dir)
+
+
+def _download(builder, name: str) -> None:
+    """``builder.download_and_prepare()``; on failure one line, and no folder or partial file of ours left."""
+    import logging
+
+    root = Path(_where(builder))
+    watched = [root, root / "downloads", root / builder.name]  # not the other data sets beside it
+    before = _listing(watched)
+    root_existed = root.exists()
+    urllib3_log = logging.getLogger("urllib3")
+    level = urllib3_log.level
+    urllib3_log.setLevel(logging.ERROR)  # TFDS retries a dead link 10 times; one warning each is noise here
+    try:
+        builder.download_and_prepare()
+    except Exception as err:  # noqa: BLE001 - offline, refused, a server error: TFDS raises many kinds
+        _remove_new(root, _listing(watched) - before, root_existed)
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise FileNotFoundError(f"data.name={name!r}: downloading and preparing it in {_where(builder)} failed "
+                                f"({type(err).__name__}: {why}); where there is no network, run `tfds build {name} "
+                                f"--data_dir DIR` on a machine with network access and copy DIR here "
+                                f"(data.data_dir=DIR).") from None
+    finally:
+        urllib3_log.setLevel(level)
+
+
+def _listing(folders) -> set:
+    return {folders[0]} | {p for f in folders[1:] if f.exists() for p in [f, *f.rglob("*")]}
+
+
+def _remove_new(root: Path, created: set, root_existed: bool) -> None:
+    """Remove what a failed download created: partial files and the folders it made."""
+    for path in sorted(created, key=lambda p: len(p.parts), reverse=True):
+        if path.is_dir() and not path.is_symlink():
+            if not any(path.iterdir()):
+                path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
+    if not root_existed and root.exists() and not any(root.iterdir()):
+        root.rmdir()
+
+
+def _feature(features, key: str, role: str, name: str):
+    if key not in features:
+        raise ValueError(f"data.{role}={key!r}: {name!r} has no feature {key!r}; it has: "
+                         f"{', '.join(sorted(features.keys()))}.")
+    return features[key]
+
+
+def _split(info, split: str, role: str, name: str):
+    """``[(path, skip, take), ...]`` and the number of examples of a TFDS split expression."""
+    try:
+        split_info = info.splits[split]
+    except (ValueError, KeyError, TypeError, AssertionError) as err:
+        raise ValueError(f"data.{role}={split!r}: {str(err).splitlines()[0][:200]} (splits of {name!r}: "
+                         f"{', '.join(info.splits.keys())}; slices such as train[:90%]).") from None
+    parts = [(str(f.filename), int(f.skip), int(f.take)) for f in split_info.file_instructions]
+    if not parts or split_info.num_examples == 0:
+        raise ValueError(f"data.{role}={split!r}: selects no examples of {name!r}.")
+    return parts, int(split_info.num_examples)
