@@ -199,6 +199,21 @@ def test_rescale_and_augment_are_checked():
             parse_augment(bad)
 
 
+
+def test_standardize_applies_after_rescale_and_augmentation_to_both_splits(tmp_path):
+    root = write_folder(tmp_path / "imgs")
+    mean, std = [0.5, 0.25, 0.125], [0.5, 0.25, 2.0]
+    plain, standard = data.image_folder(str(root)), data.image_folder(str(root), mean=mean, std=std)
+    for a, b in ((next(iter(plain.train_batches(6, 1))), next(iter(standard.train_batches(6, 1)))),
+                 (next(iter(plain.eval_batches(4))), next(iter(standard.eval_batches(4))))):
+        np.testing.assert_allclose(b["image"], (a["image"].numpy() - mean) / std, rtol=1e-6, atol=1e-6)
+    assert standard.info["mean"] == mean and "then (x - mean [0.5, 0.25, 0.125]) / std" in standard.describe()
+    for kwargs, match in ((dict(mean=[1, 2]), r"data.mean=\[1, 2\]: must be a number or a list of 3"),
+                          (dict(std=0), "data.std=0: .* each > 0"), (dict(std=[1, 1, -1]), "data.std")):
+        with pytest.raises(ValueError, match=match):
+            data.image_folder(str(root), **kwargs)
+
+
 # ---------------------------------------------------------------- bad input: one line naming the file or key
 def one_line(err) -> str:
     text = str(err.value)
@@ -509,3 +524,18 @@ def test_the_completeness_check_knows_each_format_and_agrees_with_the_up_front_s
         (tmp_path / name).write_bytes(contents)
         assert bool(looks_complete(tf.constant(contents))) is complete, name
         assert file_looks_complete(str(tmp_path / name)) is complete, name
+
+
+@pytest.mark.slow  # ~30-60 s: a MobileNetV2 run
+def test_a_keras_application_follows_an_image_folder_and_leaves_a_loadable_model(tmp_path):
+    import keras
+
+    root = write_folder(tmp_path / "imgs", classes=("ant", "bee", "cow", "dog"), per_class=4)
+    out = tmp_path / "run"
+    proc = runner("data=image_folder", f"data.path={root}", "model=keras_app", "model.name=MobileNetV2",
+                  "model.input_shape=[32,32,3]", "batch=4", "train=smoke", "train.verify_exact=false",
+                  f"hydra.run.dir={out}", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = keras.models.load_model(out / "model.keras")
+    assert model.input_shape == (None, 12, 10, 3) and model.output_shape == (None, 4)  # the data's, not the config's
+    assert (out / "model.best.keras").is_file()

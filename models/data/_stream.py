@@ -53,6 +53,25 @@ def parse_rescale(value, default: float) -> float:
     return float(value)
 
 
+def parse_standardize(mean, std, channels: int) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """``data.mean`` / ``data.std``: a number or one per channel, applied after ``rescale`` (``None``: off)."""
+    if mean is None and std is None:
+        return None
+
+    def values(key, value, default, positive):
+        value = default if value is None else value
+        items = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value]
+        ok = len(items) in (1, channels) and all(
+            not isinstance(v, bool) and isinstance(v, (int, float)) and np.isfinite(v) and (v > 0 or not positive)
+            for v in items)
+        if not ok:
+            raise ValueError(f"data.{key}={value!r}: must be a number or a list of {channels} (one per channel)"
+                             + (", each > 0" if positive else "") + ", applied after rescale: (x - mean) / std.")
+        return tuple(float(v) for v in (items * channels if len(items) == 1 else items))
+
+    return values("mean", mean, 0.0, False), values("std", std, 1.0, True)
+
+
 def parse_augment(augment) -> list[tuple[str, float | None]]:
     """``data.augment``: a list of names, each optionally ``name:strength`` (``[flip, translate:0.125]``)."""
     if augment is None:
@@ -145,7 +164,8 @@ class StreamSource:
     metric_direction = "maximize"  # higher is better (runner.direction: what a sweep optimizes)
 
     def __init__(self, name: str, image_shape, num_classes: int, train_size: int | None, test_size: int | None,
-                 rescale: float = 1.0, augment=(), max_value: float = 255.0, info: dict | None = None):
+                 rescale: float = 1.0, augment=(), max_value: float = 255.0, info: dict | None = None,
+                 standardize=None):
         self.name = name
         self.image_shape = tuple(int(d) for d in image_shape)
         self.num_classes = int(num_classes)
@@ -153,10 +173,13 @@ class StreamSource:
         self.rescale = float(rescale)
         self.augment = list(augment)
         self.max_value = float(max_value)
+        self.standardize = standardize
         self.model_args = {"num_classes": self.num_classes, "input_shape": self.image_shape}
         self.info = {"source": name, "image_shape": list(self.image_shape), "num_classes": self.num_classes,
                      "train_size": train_size, "test_size": test_size, "rescale": self.rescale,
-                     "augment": [n if s is None else f"{n}:{s:g}" for n, s in self.augment], **(info or {})}
+                     "augment": [n if s is None else f"{n}:{s:g}" for n, s in self.augment],
+                     **({"mean": list(standardize[0]), "std": list(standardize[1])} if standardize else {}),
+                     **(info or {})}
 
     # ------------------------------------------------------------------ what a subclass provides
     def _train_stream(self, seed: int) -> tf.data.Dataset:
@@ -180,7 +203,8 @@ class StreamSource:
             def load():
                 image, label = self._example(key)
                 k = tf.stack([tf.constant(seed, tf.int64) + 1, position])
-                return augment_image(image, self.augment, k, self.max_value * self.rescale), label
+                image = augment_image(image, self.augment, k, self.max_value * self.rescale)
+                return self._standardized(image), label
 
             if rows is None:
                 image, label = load()
@@ -200,7 +224,7 @@ class StreamSource:
 
         def example(*key):
             image, label = self._example(key[0] if len(key) == 1 else key)
-            return {"image": image, "label": label}
+            return {"image": self._standardized(image), "label": label}
 
         ds = self._test_stream().map(example, num_parallel_calls=AUTOTUNE, deterministic=True)
         return ds.batch(batch_size).prefetch(AUTOTUNE)
@@ -211,9 +235,18 @@ class StreamSource:
         sizes = f"{self.train_size if self.train_size is not None else '?'} train / " \
                 f"{self.test_size if self.test_size is not None else '?'} test"
         skipped = self.info.get("skipped_corrupt")
+        values = f"values 0..{self.max_value * self.rescale:g}"
+        if self.standardize:
+            values += f", then (x - mean {_short(self.standardize[0])}) / std {_short(self.standardize[1])}"
         return (f"{self.name}: {sizes}, images {list(self.image_shape)}, {self.num_classes} classes, "
-                f"rescale {_fraction(self.rescale)} (values 0..{self.max_value * self.rescale:g}){aug}"
+                f"rescale {_fraction(self.rescale)} ({values}){aug}"
                 + (f", {skipped} corrupt file(s) skipped" if skipped else ""))
+
+    def _standardized(self, image):
+        if not self.standardize:
+            return image
+        mean, std = (tf.constant(v, tf.float32) for v in self.standardize)
+        return (image - mean) / std
 
     def _example(self, key):
         image, label = self._load(key)
@@ -254,3 +287,7 @@ def _checkpointable(ds: tf.data.Dataset) -> tf.data.Dataset:
 def _fraction(x: float) -> str:
     f = Fraction(x).limit_denominator(1000)
     return f"{f.numerator}/{f.denominator}" if f.denominator != 1 and abs(float(f) - x) < 1e-12 else f"{x:g}"
+
+
+def _short(values) -> str:
+    return f"{values[0]:g}" if len(set(values)) == 1 else "[" + ", ".join(f"{v:g}" for v in values) + "]"

@@ -12,7 +12,7 @@ import zipfile
 import numpy as np
 import tensorflow as tf
 
-from ._stream import StreamSource, parse_augment, parse_rescale, shuffled_indices
+from ._stream import StreamSource, parse_augment, parse_rescale, parse_standardize, shuffled_indices
 
 
 class ArraySource(StreamSource):
@@ -45,7 +45,8 @@ class ArraySource(StreamSource):
 
 def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_path: str | None = None,
            test_path: str | None = None, test_labels_path: str | None = None, test_fraction: float | None = None,
-           split_seed: int = 0, num_classes: int | None = None, rescale=None, augment=()) -> ArraySource:
+           split_seed: int = 0, num_classes: int | None = None, rescale=None, augment=(), mean=None,
+           std=None) -> ArraySource:
     """Images and integer labels from NumPy files.
 
     Args:
@@ -56,6 +57,7 @@ def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_p
         num_classes: ``None``: the largest training label + 1.
         rescale: ``None``: 1/255 for uint8 images, else 1.
         augment: training augmentations by name.
+        mean, std: standardization after rescale, ``(x - mean) / std``: a number or one per channel.
     """
     if path is None:
         raise ValueError("data.path: give an .npz (with data.x_key, data.y_key) or an .npy of images with "
@@ -98,7 +100,8 @@ def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_p
     uint8 = x.dtype == np.uint8
     return ArraySource(x, train_rows, y_train, x_test, test_rows, y_test, classes,
                        rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0), augment=parse_augment(augment),
-                       max_value=255.0 if uint8 else 1.0, info=info)
+                       max_value=255.0 if uint8 else 1.0, info=info,
+                       standardize=parse_standardize(mean, std, x.shape[-1] if x.ndim == 4 else 1))
 
 
 def _open(path, labels_path, x_key: str, y_key: str, key: str, labels_key: str):

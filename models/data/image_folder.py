@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from ._stream import StreamSource, fail_unless, parse_augment, parse_rescale, shuffled_indices
+from ._stream import StreamSource, fail_unless, parse_augment, parse_rescale, parse_standardize, shuffled_indices
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 COLOR_MODES = {"rgb": 3, "grayscale": 1, "rgba": 4}
@@ -116,7 +116,8 @@ def list_classes(root: str, key: str) -> tuple[list[str], list[list[str]]]:
 
 def image_folder(path: str | None = None, test_path: str | None = None, validation_split: float | None = None,
                  split_seed: int = 0, image_size: Sequence[int] | None = None, color_mode: str = "rgb",
-                 rescale="1/255", augment: Sequence[str] = (), skip_corrupt: bool = False) -> ImageFolderSource:
+                 rescale="1/255", augment: Sequence[str] = (), skip_corrupt: bool = False, mean=None,
+                 std=None) -> ImageFolderSource:
     """Images in ``path/<class>/...``, decoded on the fly; classes are the sorted subfolder names.
 
     Args:
@@ -130,6 +131,8 @@ def image_folder(path: str | None = None, test_path: str | None = None, validati
         color_mode: ``rgb``, ``grayscale`` or ``rgba`` (channels 3, 1, 4; images are converted).
         rescale: factor turning pixel values into what the model receives (``"1/255"``: [0, 1]; 1: 0..255).
         augment: training augmentations by name (``_stream.AUGMENTATIONS``).
+        mean, std: standardization after rescale (and augmentation), ``(x - mean) / std``: a number or one per
+            channel (ImageNet's, for rgb in [0, 1]: mean [0.485, 0.456, 0.406], std [0.229, 0.224, 0.225]).
         skip_corrupt: check every file's first and last bytes up front and leave out incomplete ones
             (counted in the run's record); ``False``: such a file stops the run naming it.
     """
@@ -176,7 +179,8 @@ def image_folder(path: str | None = None, test_path: str | None = None, validati
     else:
         size = _first_size(train[0][0], channels)
     return ImageFolderSource(train, test, classes, (*size, channels), resize=image_size is not None,
-                             rescale=parse_rescale(rescale, 1 / 255), augment=parse_augment(augment), info=info)
+                             rescale=parse_rescale(rescale, 1 / 255), augment=parse_augment(augment), info=info,
+                             standardize=parse_standardize(mean, std, channels))
 
 
 def _flatten(files: list[list[str]]) -> tuple[list[str], np.ndarray]:

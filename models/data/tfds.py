@@ -12,7 +12,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from ._stream import check_label, fail_unless, parse_augment, parse_rescale
+from ._stream import check_label, fail_unless, parse_augment, parse_rescale, parse_standardize
 from .tfrecord import TFRecordSource
 
 
@@ -41,7 +41,8 @@ class TFDSSource(TFRecordSource):
 def tfds(name: str | None = None, data_dir: str | None = None, train_split: str = "train",
          test_split: str = "test", download: bool = False, image_key: str | None = None,
          label_key: str | None = None, num_classes: int | None = None, image_size: Sequence[int] | None = None,
-         shuffle_buffer: int = 1024, cycle_length: int = 4, rescale=None, augment: Sequence[str] = ()) -> TFDSSource:
+         shuffle_buffer: int = 1024, cycle_length: int = 4, rescale=None, augment: Sequence[str] = (),
+         mean=None, std=None) -> TFDSSource:
     """A TFDS image-classification data set (``mnist``, ``cifar10``, ``imagenette/320px``, your own builder's).
 
     Args:
@@ -54,7 +55,7 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
         num_classes: only for a label feature that is a plain integer (a ``ClassLabel`` knows its classes).
         image_size: ``[height, width]`` every image is resized to; ``None``: the data set's fixed size, or the
             first image's (others must match).
-        shuffle_buffer, cycle_length, rescale, augment: as for ``tfrecord``.
+        shuffle_buffer, cycle_length, rescale, augment, mean, std: as for ``tfrecord``.
     """
     tfds_lib = _import_tfds()
     if not isinstance(name, str) or not name.strip():
@@ -117,7 +118,8 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
                         resize=image_size is not None, num_classes=num_classes, compression=None,
                         shuffle_buffer=shuffle_buffer, cycle_length=cycle_length, name="tfds",
                         sizes=(n_train, n_test), rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0),
-                        augment=parse_augment(augment), max_value=255.0 if uint8 else 1.0, info=record)
+                        augment=parse_augment(augment), max_value=255.0 if uint8 else 1.0, info=record,
+                        standardize=parse_standardize(mean, std, shape[2]))
     if class_names is not None:
         source.class_names = class_names
     return source

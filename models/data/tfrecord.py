@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from ._stream import StreamSource, check_label, fail_unless, parse_augment, parse_rescale
+from ._stream import StreamSource, check_label, fail_unless, parse_augment, parse_rescale, parse_standardize
 from .image_folder import COLOR_MODES
 
 FORMATS = ("encoded", "raw")
@@ -95,7 +95,7 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
              image_format: str = "encoded", image_shape: Sequence[int] | None = None, image_dtype: str = "uint8",
              label_key: str = "label", num_classes: int | None = None, image_size: Sequence[int] | None = None,
              color_mode: str = "rgb", shuffle_buffer: int = 1024, cycle_length: int = 4, rescale="1/255",
-             augment: Sequence[str] = ()) -> TFRecordSource:
+             augment: Sequence[str] = (), mean=None, std=None) -> TFRecordSource:
     """TFRecord shards of ``tf.train.Example`` records: an image feature and an int64 class-number feature.
 
     Args:
@@ -109,7 +109,7 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
         image_size: ``[height, width]`` every image is resized to; ``None``: the first record's size.
         shuffle_buffer: records shuffled together (a window of the interleaved stream; 1: no shuffle).
         cycle_length: shards read at once.
-        rescale, augment: as for ``image_folder``.
+        rescale, augment, mean, std: as for ``image_folder``.
     """
     train = _files(train_files, "train_files")
     test = _files(test_files, "test_files")
@@ -151,7 +151,8 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
     info = {"train_files": train, "test_files": test, "image_key": image_key, "label_key": label_key}
     return TFRecordSource(train, test, spec, (*size, channels), image_size is not None, num_classes, compression,
                           shuffle_buffer, cycle_length, rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0),
-                          augment=parse_augment(augment), max_value=255.0 if uint8 else 1.0, info=info)
+                          augment=parse_augment(augment), max_value=255.0 if uint8 else 1.0, info=info,
+                          standardize=parse_standardize(mean, std, channels))
 
 
 def _parts(files) -> tuple[list[str], list[int], list[int]]:
