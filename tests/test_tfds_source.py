@@ -15,7 +15,7 @@ import tensorflow as tf
 tfds = pytest.importorskip("tensorflow_datasets")
 
 from models import data  # noqa: E402
-from tests.test_data_sources import CHEAP, runner, tags  # noqa: E402
+from test_data_sources import CHEAP, runner, tags  # noqa: E402
 
 CLASSES = ["ant", "bee", "cow"]
 
