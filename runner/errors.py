@@ -24,6 +24,22 @@ class ConfigError(RunnerError):
         super().__init__(f"{key}: {allowed}" if value is self.NO_VALUE else f"{key}={_show(value)}: {allowed}")
 
 
+def apply_rule(key: str, value, check, *args, wording=None):
+    """Apply one of the engine's rules (``sections.rules``) and report its answer as a ConfigError naming ``key``.
+
+    ``wording``: ``{rule name: facts -> reason}`` for answers the runner words in its own terms (config keys);
+    any other answer keeps the engine's message, less its own ``name=value:`` prefix.
+    """
+    try:
+        return check(*args)
+    except ValueError as err:
+        rule, facts = getattr(err, "rule", None), getattr(err, "facts", {})
+        if wording and rule in wording:
+            raise ConfigError(key, value, wording[rule](**facts)) from err
+        text, prefix = str(err), f"{key.split('.')[-1]}="
+        raise ConfigError(key, value, text.split(": ", 1)[1] if text.startswith(prefix) else text) from err
+
+
 class NonFiniteLoss(RunnerError):
     """The training loss became NaN or Inf."""
 

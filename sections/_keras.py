@@ -49,9 +49,9 @@ class KerasNetwork(Network):
         self.check_batch(batch)
 
     def boundary_starts(self, names: Sequence[str]) -> list[int]:
-        for name in names:
-            if isinstance(name, str) and name not in self.boundaries:
-                raise ValueError(self._why_not(name))
+        unknown = [n for n in names if isinstance(n, str) and n not in self.boundaries]
+        if unknown:  # the model's own reason: no such layer, merged into a block, or not a cut
+            raise rules.RuleError(self._why_not(unknown[0]), "not_a_cut", unknown=unknown)
         return rules.resolve_boundaries(self.boundaries, names)
 
     def _why_not(self, name: str) -> str:
