@@ -37,12 +37,8 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
     data = instantiate(cfg.data, "data")
     spec = getattr(data.train_batches(cfg.batch, cfg.train.seed), "element_spec", None)  # lazy: nothing allocated
     _check_batch_fits(cfg, spec)  # the examples alone, before the network exists
-    model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
-    data_args = dict(getattr(data, "model_args", {}) or {})
-    # A key the model config sets itself (keras_app's input_shape) wins; the builder sees the data's as data_args.
-    own = {k: data_args.pop(k) for k in list(data_args) if model_cfg.get(k) is not None}
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        network = instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
+        network = make_network(cfg, data)
         _check_batch_fits(cfg, spec, network)  # with the blocks' outputs, before the first batch is made
         sections = resolve_sections(cfg)
         check_boundaries(sections, network)
@@ -60,6 +56,15 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
     except ValueError as err:
         raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
     return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy)
+
+
+def make_network(cfg: DictConfig, data):
+    """The model config's builder, given the data's `model_args`. A key the model config sets itself (keras_app's
+    input_shape) wins; the builder sees the data's as `data_args`. `default_sections` is not a builder argument."""
+    model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
+    data_args = dict(getattr(data, "model_args", {}) or {})
+    own = {k: data_args.pop(k) for k in list(data_args) if model_cfg.get(k) is not None}
+    return instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
 
 
 def _check_batch_fits(cfg: DictConfig, spec, network=None) -> None:

@@ -71,12 +71,17 @@ def full_errors() -> bool:
 def report(err: BaseException) -> None:
     """Write `error: <message>` to stderr and to the run's log file (not to the console log)."""
     msg = f"error: {err}" if not isinstance(err, Interrupted) else str(err)
-    record = logging.LogRecord("runner", logging.ERROR, __file__, 0, msg, None, None)
+    to_log_file(msg, logging.ERROR)
+    sys.stdout.flush()
+    print(msg, file=sys.stderr, flush=True)
+
+
+def to_log_file(message: str, level: int = logging.INFO) -> None:
+    """Write `message` to the run's log file only (Hydra's file handler), not to the console."""
+    record = logging.LogRecord("runner", level, __file__, 0, message, None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
-    sys.stdout.flush()
-    print(msg, file=sys.stderr, flush=True)
 
 
 def _show(value) -> str:
