@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, apply_rule
 from runner.precision import set_precision, wrap_optimizer
 from sections import rules
 
@@ -37,12 +37,8 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
     data = instantiate(cfg.data, "data")
     spec = getattr(data.train_batches(cfg.batch, cfg.train.seed), "element_spec", None)  # lazy: nothing allocated
     _check_batch_fits(cfg, spec)  # the examples alone, before the network exists
-    model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
-    data_args = dict(getattr(data, "model_args", {}) or {})
-    # A key the model config sets itself (keras_app's input_shape) wins; the builder sees the data's as data_args.
-    own = {k: data_args.pop(k) for k in list(data_args) if model_cfg.get(k) is not None}
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        network = instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
+        network = make_network(cfg, data)
         _check_batch_fits(cfg, spec, network)  # with the blocks' outputs, before the first batch is made
         sections = resolve_sections(cfg)
         check_boundaries(sections, network)
@@ -62,6 +58,15 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
     return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy)
 
 
+def make_network(cfg: DictConfig, data):
+    """The model config's builder, given the data's `model_args`. A key the model config sets itself (keras_app's
+    input_shape) wins; the builder sees the data's as `data_args`. `default_sections` is not a builder argument."""
+    model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
+    data_args = dict(getattr(data, "model_args", {}) or {})
+    own = {k: data_args.pop(k) for k in list(data_args) if model_cfg.get(k) is not None}
+    return instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
+
+
 def _check_batch_fits(cfg: DictConfig, spec, network=None) -> None:
     """Refuse a batch that the machine's memory cannot hold, before it is allocated."""
     from runner.sizes import activation_bytes, check_batch_fits
@@ -77,24 +82,33 @@ def resolve_sections(cfg: DictConfig):
 
 
 def check_boundaries(sections, network) -> None:
-    """Sections that cannot exist for this network: too many, or boundaries it does not have."""
+    """Sections that cannot exist for this network (too many, or boundaries it does not have), by the engine's
+    own rules, worded for the config. Other answers (order, repeats) come from the engine when it is built."""
     block_names = network.block_names
     groups = list(dict.fromkeys(name.split("/", 1)[0] for name in block_names))
-    if isinstance(sections, int) and sections > len(block_names):
+
+    def unknown_boundary(unknown):
+        example = next((n for n in block_names if "/" in n), block_names[0])
+        return (f"unknown boundary name(s) {', '.join(unknown)}; allowed: {', '.join(groups)}, or a block name "
+                f"such as {example}")
+
+    def too_many(num_blocks):
         names = rules.name_list(groups, getattr(network, "names_hint", "see the model"))
-        raise ConfigError("sections", sections, f"this model has {len(block_names)} blocks; allowed: 1 to "
-                          f"{len(block_names)}, or boundary names{names}")
+        return f"this model has {num_blocks} blocks; allowed: 1 to {num_blocks}, or boundary names{names}"
+
+    if isinstance(sections, int):
+        apply_rule("sections", sections, rules.check_section_count, sections, len(block_names), block_names,
+                   wording={"more_sections_than_blocks": too_many})
     if isinstance(sections, list):
-        unknown = [s for s in sections if s not in network.boundaries]
-        if unknown and hasattr(network, "cut_points"):  # cut from a Keras model: its message says why, and what is near
-            try:
-                network.boundary_starts(sections)
-            except ValueError as err:
+        try:
+            network.boundary_starts(sections)
+        except rules.RuleError as err:
+            if err.rule == "unknown_boundary":
+                raise ConfigError("sections", sections, unknown_boundary(**err.facts)) from err
+            if err.rule == "not_a_cut":  # a Keras model's own reason: no such layer, or merged into a block
                 raise ConfigError("sections", sections, str(err)) from err
-        if unknown:
-            example = next((n for n in block_names if "/" in n), block_names[0])
-            raise ConfigError("sections", sections, f"unknown boundary name(s) {', '.join(unknown)}; allowed: "
-                              f"{', '.join(groups)}, or a block name such as {example}")
+        except ValueError:
+            pass
 
 
 def instantiate(node: DictConfig, group: str, **kwargs):

@@ -6,7 +6,7 @@ import math
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, apply_rule
 from runner.precision import PRECISIONS
 from sections import rules
 
@@ -70,32 +70,22 @@ def _number(value) -> bool:
 TRAINERS = {"sections.Engine": "sectioned", "sections.WholeGraph": "whole", "sections.RecomputeGrad": "recompute_grad"}
 
 
-def _rule(key: str, value, check, *args) -> None:
-    """Apply one of the engine's own rules (`sections.rules`), reporting its answer as a ConfigError."""
-    try:
-        check(*args)
-    except ValueError as err:
-        text = str(err)
-        raise ConfigError(key, value, text.split(": ", 1)[1] if text.startswith(f"{key.split('.')[-1]}=") else text)
-
-
 def check_sections(value, memory_budget=None, key: str = "sections") -> None:
     if value is None:
         return
     if isinstance(value, ListConfig):
         value = list(value)
-    _rule(key, value, rules.check_sections_arg, value, memory_budget if memory_budget is not None else 1)
-    if value == "auto" and memory_budget is None:
-        raise ConfigError(key, value, "auto needs engine.memory_budget (bytes or a size like 2GiB)")
+    apply_rule(key, value, rules.check_sections_arg, value, memory_budget, wording={
+        "auto_needs_budget": lambda: "auto needs engine.memory_budget (bytes or a size like 2GiB)"})
 
 
 def _check_engine(engine: DictConfig) -> None:
     if engine._target_ not in TRAINERS:
         raise ConfigError("engine._target_", engine._target_, f"allowed: {', '.join(TRAINERS)}")
     policy = list(engine.policy) if isinstance(engine.policy, ListConfig) else engine.policy
-    _rule("engine.policy", policy, rules.check_policy_names, policy)
+    apply_rule("engine.policy", policy, rules.check_policy_names, policy)
     if engine.memory_budget is not None:
-        _rule("engine.memory_budget", engine.memory_budget, rules.parse_bytes, engine.memory_budget)
+        apply_rule("engine.memory_budget", engine.memory_budget, rules.parse_bytes, engine.memory_budget)
 
 
 def _check_train(train: DictConfig) -> None:

@@ -26,7 +26,8 @@ from typing import Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.errors import ConfigError, RunnerError
+from runner.errors import ConfigError, RunnerError, apply_rule
+from sections import rules
 
 KINDS = ("none", "mirrored", "multi_worker")
 CLUSTERS = ("auto", "tf_config", "slurm")
@@ -145,9 +146,10 @@ def _slurm_task(env: Mapping[str, str]) -> Task:
 
 def check_batch(batch, replicas: int, where: str) -> None:
     """`batch` is the global batch; each replica takes an equal slice of it."""
-    if isinstance(batch, int) and batch % replicas:
-        raise ConfigError("batch", batch, f"must divide by the {replicas} replicas ({where}); "
-                          f"use a multiple of {replicas} such as {replicas * max(1, batch // replicas)}")
+    if isinstance(batch, int):
+        apply_rule("batch", batch, rules.check_batch_divides, batch, replicas, wording={
+            "batch_not_divisible": lambda replicas: f"must divide by the {replicas} replicas ({where}); use a "
+                                                    f"multiple of {replicas} such as {replicas * max(1, batch // replicas)}"})
 
 
 def make_strategy(cfg: DictConfig, environ: Optional[Mapping[str, str]] = None):

@@ -24,6 +24,22 @@ class ConfigError(RunnerError):
         super().__init__(f"{key}: {allowed}" if value is self.NO_VALUE else f"{key}={_show(value)}: {allowed}")
 
 
+def apply_rule(key: str, value, check, *args, wording=None):
+    """Apply one of the engine's rules (``sections.rules``) and report its answer as a ConfigError naming ``key``.
+
+    ``wording``: ``{rule name: facts -> reason}`` for answers the runner words in its own terms (config keys);
+    any other answer keeps the engine's message, less its own ``name=value:`` prefix.
+    """
+    try:
+        return check(*args)
+    except ValueError as err:
+        rule, facts = getattr(err, "rule", None), getattr(err, "facts", {})
+        if wording and rule in wording:
+            raise ConfigError(key, value, wording[rule](**facts)) from err
+        text, prefix = str(err), f"{key.split('.')[-1]}="
+        raise ConfigError(key, value, text.split(": ", 1)[1] if text.startswith(prefix) else text) from err
+
+
 class NonFiniteLoss(RunnerError):
     """The training loss became NaN or Inf."""
 
@@ -55,12 +71,17 @@ def full_errors() -> bool:
 def report(err: BaseException) -> None:
     """Write `error: <message>` to stderr and to the run's log file (not to the console log)."""
     msg = f"error: {err}" if not isinstance(err, Interrupted) else str(err)
-    record = logging.LogRecord("runner", logging.ERROR, __file__, 0, msg, None, None)
+    to_log_file(msg, logging.ERROR)
+    sys.stdout.flush()
+    print(msg, file=sys.stderr, flush=True)
+
+
+def to_log_file(message: str, level: int = logging.INFO) -> None:
+    """Write `message` to the run's log file only (Hydra's file handler), not to the console."""
+    record = logging.LogRecord("runner", level, __file__, 0, message, None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
-    sys.stdout.flush()
-    print(msg, file=sys.stderr, flush=True)
 
 
 def _show(value) -> str:

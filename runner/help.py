@@ -126,20 +126,15 @@ def _build_names(cfg) -> dict:
 
     load_tensorflow()
     import keras
-    from omegaconf import OmegaConf
 
-    from runner.build import instantiate
+    from runner.build import instantiate, make_network
 
     keras.utils.set_random_seed(cfg.train.seed)
     data_cfg = cfg.data.copy()
     if "download" in data_cfg:
         data_cfg.download = False  # --help never downloads (data=mnist): a missing file is one line instead
     data = instantiate(data_cfg, "data")
-    # As runner.build.build: a key the model config sets itself wins; the builder sees the data's as data_args.
-    model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
-    data_args = dict(getattr(data, "model_args", {}) or {})
-    own = {k: data_args.pop(k) for k in list(data_args) if model_cfg.get(k) is not None}
-    net = instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
+    net = make_network(cfg, data)
     label = cfg.model.get("name") or Path(str(cfg.model.get("path"))).name
     return {"model": f"{net.model_name} ({label})", "boundaries": list(net.boundaries),
             "cut_points": list(net.cut_points), "max_blocks": cfg.model.get("max_blocks", 64)}

@@ -7,14 +7,9 @@ import os
 import sys
 from contextlib import ExitStack
 
+from sections.rules import human_bytes
+
 log = logging.getLogger("runner")
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
 def _columns() -> int:

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.errors import to_log_file
 from runner.files import keep_copy, write_atomic
-from runner.progress import human_bytes
 from runner.resume import history_name, show
+from sections.rules import human_bytes
 
 log = logging.getLogger("runner")
 
@@ -136,14 +137,6 @@ def _sessions(record: Path) -> list:
         return json.loads(record.read_text()).get("sessions", [])
     except (OSError, ValueError, AttributeError):
         return []
-
-
-def to_log_file(message: str) -> None:
-    """Write `message` to the run's log file only (Hydra's file handler), not to the console."""
-    record = logging.LogRecord("runner", logging.INFO, __file__, 0, message, None, None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
 
 
 def partition_table(engine, flops: list[dict] | None) -> str:

@@ -1,49 +1,78 @@
 """The typed schema of the runner's config, registered in Hydra's ConfigStore.
 
 `conf/config.yaml` starts from `runner_schema` (which types `engine` and `train`); each `optimizer/` option starts
-from `optimizer_<name>_schema`, so a wrong type or an unknown key fails when Hydra composes the config.
+from `optimizer_<name>_schema`, so a wrong type or an unknown key fails when Hydra composes the config. The
+defaults of `engine`, `train` and the top-level keys are the YAML's (`conf/engine/default.yaml`,
+`conf/train/default.yaml`, `conf/config.yaml`): the schema types them and reads their values from there.
 `model` and `data` are free-form (each builder has its own arguments) and are checked by `runner.checks`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
-@dataclass
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def defaults_from(yaml_file: str, keys: Optional[List[str]] = None):
+    """A dataclass whose field defaults are read from ``conf/<yaml_file>``, where each default and its comment
+    are written (once). ``keys``: the fields to read (default: every annotated field). A field the YAML lacks,
+    or a YAML key the class does not type, fails at import: the two cannot drift apart."""
+
+    def wrap(cls):
+        values = OmegaConf.to_container(OmegaConf.load(CONF / yaml_file))
+        values.pop("defaults", None)
+        typed = list(keys if keys is not None else cls.__annotations__)
+        extra = [k for k in values if k not in cls.__annotations__] if keys is None else []
+        missing = [k for k in typed if k not in values]
+        if missing or extra:
+            raise TypeError(f"conf/{yaml_file} and runner.schema.{cls.__name__} disagree: "
+                            f"{'not in the YAML: ' + ', '.join(missing) if missing else ''}"
+                            f"{'; ' if missing and extra else ''}{'not typed: ' + ', '.join(extra) if extra else ''}")
+        for key in typed:
+            value = values[key]
+            setattr(cls, key, field(default_factory=lambda v=value: list(v)) if isinstance(value, list) else value)
+        return dataclass(cls)
+
+    return wrap
+
+
+@defaults_from("engine/default.yaml")
 class EngineConfig:
     """Which trainer (`sections.Engine`, or a baseline `sections.WholeGraph` / `sections.RecomputeGrad`) and how."""
 
-    _target_: str = "sections.Engine"
-    policy: Any = "recompute"  # recompute | store | recreate, or a list with one per section
-    jit_compile: bool = False
-    check: bool = False  # compare the sectioned gradients with whole-graph ones
-    memory_budget: Any = None  # bytes (int) or a size like "2GiB"; used by sections=auto
-    probe_batch: Optional[int] = None  # examples the planner's per-block probe runs; null: the real batch
+    _target_: str
+    policy: Any
+    jit_compile: bool
+    check: bool
+    memory_budget: Any
+    probe_batch: Optional[int]
 
 
-@dataclass
+@defaults_from("train/default.yaml")
 class TrainConfig:
     """The training loop: length, evaluation, checkpoints and logging cadence."""
 
-    steps: int = 200
-    eval_every: int = 50  # 0: evaluate only at the end
-    eval_batch: Optional[int] = None  # null: same as `batch`
-    checkpoint_every: int = 50  # 0: checkpoint only at the end
-    keep_checkpoints: int = 3
-    log_every: int = 10  # plain log line cadence when stderr is not a terminal
-    progress: str = "auto"  # auto | bar | log
-    seed: int = 0
-    deterministic: bool = False  # tf.config.experimental.enable_op_determinism()
-    inter_op_threads: Optional[int] = None  # threads for independent ops; 1: one op order every step of a run
-    verify_exact: bool = True  # before training: one step vs one whole-graph step (state restored after)
-    profile_steps: Optional[List[int]] = None  # [first, last]: a TensorBoard profile of those steps
-    precision: str = "float32"  # float32 | mixed_bfloat16 | mixed_float16 (Keras dtype policy; float16 scales the loss)
-    save_model: Any = True  # true: model.keras and model.best.keras in the run folder | final: model.keras | false
+    steps: int
+    eval_every: int
+    eval_batch: Optional[int]
+    checkpoint_every: int
+    keep_checkpoints: int
+    log_every: int
+    progress: str
+    seed: int
+    deterministic: bool
+    inter_op_threads: Optional[int]
+    verify_exact: bool
+    profile_steps: Optional[List[int]]
+    precision: str
+    save_model: Any
 
 
 @dataclass
@@ -101,9 +130,9 @@ class DistributeConfig:
     timeout_seconds: Optional[float] = None  # multi_worker: collective-op timeout
 
 
-@dataclass
+@defaults_from("config.yaml", keys=["batch", "sections", "resume"])
 class Config:
-    """The whole run. `sections`: null (the model's default, else 1), an int, a list of boundary names, or auto."""
+    """The whole run (`conf/config.yaml` says what `batch`, `sections` and `resume` hold)."""
 
     model: Any = MISSING
     data: Any = MISSING
@@ -111,9 +140,9 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distribute: DistributeConfig = field(default_factory=DistributeConfig)
-    batch: int = 256
-    sections: Any = None
-    resume: Optional[str] = None
+    batch: int
+    sections: Any
+    resume: Optional[str]
 
 
 def register() -> None:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from runner.errors import ConfigError
-from runner.progress import human_bytes
+from sections.rules import human_bytes
 
 
 def example_bytes(spec) -> int:

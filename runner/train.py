@@ -1,12 +1,11 @@
-"""The training loop: steps, evaluation, TensorBoard, checkpoints, `metrics.json`."""
+"""The training loop: one loop of steps with hooks around it (`runner.hooks`: profiler, NaN stop, telemetry,
+progress, evaluation, checkpoints, signals), then the run's figures in `metrics.json`."""
 
 from __future__ import annotations
 
 import logging
 import math
-import signal
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -14,8 +13,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from runner.build import Setup
-from runner.errors import ConfigError, Interrupted, NonFiniteLoss, NonFiniteWeights, RunnerError
-from runner.progress import Progress, human_bytes
+from runner.errors import ConfigError, RunnerError
+from runner.hooks import (Checkpointing, Evaluation, FiniteStop, Hooks, Profiler, ProgressHook, SignalStop,
+                          Telemetry)
+from runner.progress import Progress
+from sections.rules import human_bytes
 
 log = logging.getLogger("runner")
 
@@ -23,19 +25,15 @@ log = logging.getLogger("runner")
 def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, restore_from: Path | None = None) -> float:
     """Train `cfg.train.steps` steps (continuing `cfg.resume`, whose folder is `out`); returns the eval metric.
     `restore_from`: where a resumed run's checkpoints are read, when not `out/checkpoints` (another worker)."""
-    from sections import BudgetExceededError, ReplayMismatchError
-
     from runner import datafeed
     from runner.checkpoint import Checkpoints
     from runner.export import ModelFiles
-    from runner.finite import FiniteCheck
     from runner.record import RunRecord
     from runner.resume import apply_optimizer_changes
 
     engine, data, train, changes = setup.engine, setup.data, cfg.train, changes or {}
     batches = datafeed.train_iterator(data, cfg.batch, train.seed, setup.strategy)
     checkpoints = Checkpoints(out / "checkpoints", engine, batches, train.keep_checkpoints)
-    finite = FiniteCheck(engine.network.variables)
     start = 0
     if cfg.resume:
         start, restored = checkpoints.restore(restore_from)
@@ -57,48 +55,19 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
             record.exactness(exactness)
 
         eval_batch = train.eval_batch or cfg.batch
-        model_files = ModelFiles(out, engine, data, setup.probe, train.get("save_model", True))
-        history, results, step = [], {}, start
         progress = Progress(train.steps, start, train.progress, train.log_every)
-        profiler = Profiler(train.get("profile_steps"), out)
-        try:
-            with StopOnSignal() as stop:
-                for step in range(start + 1, train.steps + 1):
-                    batch = datafeed.next_batch(batches)
-                    profiler.before(step)
-                    began = time.perf_counter()
-                    try:
-                        stats = engine.train_step(batch)
-                    except (ReplayMismatchError, BudgetExceededError) as err:
-                        raise RunnerError(f"step {step}: {err}") from err
-                    seconds = time.perf_counter() - began
-                    profiler.after(step)
-                    newest = f"Newest all-finite checkpoint: {checkpoints.latest or 'none (none saved yet)'}"
-                    if not math.isfinite(stats["loss"]):
-                        raise NonFiniteLoss(f"loss is {stats['loss']} at step {step}; stopped. {newest}")
-                    bad = finite.first_bad()
-                    if bad:  # a NaN input can poison the weights while the loss still reads finite
-                        raise NonFiniteWeights(f"step {step}: {bad} holds NaN or Inf (loss {stats['loss']:.4g}); "
-                                               f"stopped. {newest}")
-                    history.append((stats, seconds))
-                    record.board.train_step(step, stats, seconds, cfg.batch)
-                    progress.update(step, stats["loss"], cfg.batch / seconds, stats["step_peak_bytes"])
-                    if _due(step, train.eval_every, train.steps):
-                        results = evaluate(engine, data, eval_batch)
-                        record.board.scalars(step, {f"{k}/eval": v for k, v in results.items()})
-                        progress.write(f"eval @ step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in results.items()))
-                        model_files.evaluated(step, results)
-                    if _due(step, train.checkpoint_every, train.steps):
-                        checkpoints.save(step)
-                    if stop.requested and step < train.steps:
-                        saved = checkpoints.latest if _due(step, train.checkpoint_every, 0) else checkpoints.save(step)
-                        saved = saved or "nothing (state not finite)"
-                        raise Interrupted(f"{stop.requested} at step {step}: saved {saved}; continue with "
-                                          f"resume={out}", exit_code=stop.exit_code)
-        finally:
-            profiler.close()
-            progress.close()
+        telemetry = Telemetry(record.board, cfg.batch)
+        model_files = ModelFiles(out, engine, data, setup.probe, train.get("save_model", True))
+        evaluation = Evaluation(lambda: evaluate(engine, data, eval_batch), train.eval_every, train.steps,
+                                record.board, progress, then=model_files.evaluated)
+        hooks = Hooks([Profiler(train.get("profile_steps"), out),
+                       FiniteStop(engine.network.variables, checkpoints),
+                       telemetry, ProgressHook(progress, cfg.batch), evaluation,
+                       Checkpointing(checkpoints, train.checkpoint_every, train.steps),
+                       SignalStop(checkpoints, train.checkpoint_every, train.steps, out)])
+        step = _loop(engine, batches, hooks, start, train.steps)
         model_files.final(step)
+        history, results = telemetry.history, evaluation.results
         metrics = {**describe_setup(engine, cfg.batch), **exactness,
                    **summarize(history, results, data, cfg.batch, step)}
         if datafeed.record(data):
@@ -116,32 +85,27 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
     return metrics[metrics["metric"]]
 
 
-class Profiler:
-    """`train.profile_steps=[a, b]`: a TensorBoard profile of steps a..b, written into the run folder."""
+def _loop(engine, batches, hooks: Hooks, start: int, steps: int) -> int:
+    """Steps `start + 1 .. steps`, the hooks around each; returns the last step run."""
+    from sections import BudgetExceededError, ReplayMismatchError
 
-    def __init__(self, steps, out: Path):
-        self.window = tuple(steps) if steps else None
-        self.out, self.active = out, False
+    from runner import datafeed
 
-    def before(self, step: int) -> None:
-        if self.window and step == self.window[0]:
-            import tensorflow as tf
-
-            tf.profiler.experimental.start(str(self.out))
-            self.active = True
-
-    def after(self, step: int) -> None:
-        if self.active and step >= self.window[1]:
-            self.close()
-            log.info(f"profile of steps {self.window[0]}-{self.window[1]} written to {self.out / 'plugins' / 'profile'}"
-                     f" (TensorBoard's Profile tab)")
-
-    def close(self) -> None:
-        if self.active:
-            import tensorflow as tf
-
-            self.active = False
-            tf.profiler.experimental.stop()
+    step = start
+    hooks.on_train_begin()
+    try:
+        for step in range(start + 1, steps + 1):
+            batch = datafeed.next_batch(batches)
+            hooks.on_step_begin(step)
+            began = time.perf_counter()
+            try:
+                stats = engine.train_step(batch)
+            except (ReplayMismatchError, BudgetExceededError) as err:
+                raise RunnerError(f"step {step}: {err}") from err
+            hooks.on_step_end(step, stats, time.perf_counter() - began)
+    finally:
+        hooks.on_train_end()
+    return step
 
 
 def verify_exact(engine, batch, examples: int = 64) -> dict:
@@ -231,41 +195,6 @@ def summarize(history: list, results: dict, data, batch: int, step: int) -> dict
 
 def _median(values: list):
     return statistics.median(values) if values else None
-
-
-class StopOnSignal:
-    """Ctrl-C (SIGINT) or SIGTERM (SLURM, `timeout`) asks the loop to save and stop after the current step;
-    a second one aborts at once."""
-
-    requested: str | None = None
-    exit_code = 130
-    _NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
-
-    def __enter__(self):
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in self._NAMES:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == self._signum and time.monotonic() - self._at < 1.0:
-            return  # the same signal twice at once: sent to the job and passed on by its sweep's process
-        self._signum, self._at = signum, time.monotonic()
-        if self.requested:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise SystemExit(128 + signum)
-        self.requested, self.exit_code = self._NAMES[signum], 128 + signum
-        log.warning(f"{self.requested}: saving a checkpoint after this step (send it again to abort without saving)")
-
-    def __exit__(self, *exc):
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-
-
-def _due(step: int, every: int, last: int) -> bool:
-    return step == last or (every > 0 and step % every == 0)
 
 
 def _in_sweep() -> bool:

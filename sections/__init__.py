@@ -10,7 +10,8 @@ _EXPORTS = {
     "Engine": "._engine", "ReplayMismatchError": "._engine", "BudgetExceededError": "._engine",
     "SectionedModel": "._fit",
     "WholeGraph": "._peers", "RecomputeGrad": "._peers",
-    "Network": "._network", "Block": "._network",
+    # Network from ._keras: importing it sets Network.from_keras (sections._keras builds on sections._network).
+    "Network": "._keras", "Block": "._network", "from_keras": "._keras",
     "Section": "._partition",
     "Policy": "._policies", "Recompute": "._policies", "Store": "._policies", "Recreate": "._policies",
     "Plan": "._planner", "plan_schedule": "._planner", "Schedule": "._schedule",

@@ -32,6 +32,7 @@ class Trainer:
         if isinstance(sections, tuple):
             sections = list(sections)
         rules.check_sections_arg(sections, memory_budget)
+        self.memory_budget = rules.parse_bytes(memory_budget) if memory_budget is not None else None
         if isinstance(sections, int):
             rules.check_section_count(sections, len(network.blocks), network.block_names)
         self.network = network
@@ -41,7 +42,6 @@ class Trainer:
         self.probe_batch = probe_batch
         self.replicas = Replicas(distribute)
         self.meter = MemoryMeter(device or self.replicas.devices() or None)
-        self.memory_budget = rules.parse_bytes(memory_budget) if memory_budget is not None else None
         self._sections_arg = sections
         self._starts = network.boundary_starts(sections) if isinstance(sections, list) else None
         self.sections: list[Section] = []

@@ -12,16 +12,15 @@ from ._base import Trainer, add_gradients
 from ._compile import ReplayMismatchError, SectionFunctions
 from ._network import Network
 from ._planner import plan_schedule
-from ._policies import Recompute, resolve
+from ._policies import KEEP_INPUT, Recompute, resolve
 from ._profile import probe_slice, profile_blocks
 from ._relaxed import RelaxedFunction
 from ._replicas import local_size
-from ._schedule import Schedule
+from ._schedule import FORWARD, HOLD, LOSS, RESUME, Schedule, kept_policy
 from ._structure import nbytes
 
 __all__ = ["Engine", "ReplayMismatchError", "BudgetExceededError"]
 log = logging.getLogger("sections")
-_KEEP_INPUT = Recompute()
 MAX_REPLANS = 3  # corrections of the cost model by measured steps before a step over the budget stops
 
 
@@ -181,7 +180,7 @@ class Engine(Trainer):
         loss, upstream, var_grads = fns[last]._fused(h, views[last])
         del h
         grads: list = [None] * len(self._trainable)
-        self._accumulate_here(grads, self.sections[last].variables, var_grads)
+        self._accumulate(grads, self.sections[last].variables, var_grads, in_graph=True)
         for k in range(last - 1, -1, -1):
             gate = [g for g in tf.nest.flatten(upstream) if g is not None]
             with tf.control_dependencies(gate):
@@ -190,7 +189,7 @@ class Engine(Trainer):
                 border = _after(border, gate)
             borders[k] = None
             upstream, var_grads, _ = fns[k]._rerun_backward(border, views[k], upstream, snapshots[k], None)
-            self._accumulate_here(grads, self.sections[k].variables, var_grads)
+            self._accumulate(grads, self.sections[k].variables, var_grads, in_graph=True)
         return loss, grads
 
     def _graph_step(self, batch):
@@ -198,70 +197,64 @@ class Engine(Trainer):
         self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, self._trainable) if g is not None])
         return loss
 
-    def _accumulate_here(self, grads: list, variables: list, var_grads) -> None:
-        for v, g in zip(variables, var_grads):
-            if g is not None:
-                i = self._var_index[id(v)]
-                grads[i] = g if grads[i] is None else add_gradients(grads[i], g)
-
     def _cycle(self, batch):
-        """One step's gradients: the cached forward pass, then the backward from the last section to the first.
+        """One step's gradients: the schedule's program run in order (the cached forward pass, the fused last
+        section, then the backward from the last section to the first, re-creating dropped input borders).
 
-        ``kept[k]`` is what section k keeps for its backward, as ``(policy, what it kept)``; ``None`` where the
-        schedule dropped section k's input border, which is then re-created from the nearest kept border.
+        ``kept[k]`` is what section k keeps for its backward, as ``(policy, what it kept)``.
         """
         schedule, fns, meter = self.schedule, self._fns, self.meter
         last = len(self.sections) - 1
         views = self._views(batch)
         kept = [None] * (last + 1)
         snapshots = [None] * (last + 1)  # each section's state before its first run: every re-run replays it
+        grads: list = [None] * len(self._trainable)
+        peaks, step_peak, loss, upstream, expected = [0] * (last + 1), None, None, None, None
+        h = batch[self.network.inputs]
 
-        def descend(p, t, h):
-            """From border p toward section t-1, keeping what the schedule says; returns border t-1."""
-            while p < t - 1:
-                mode, q = schedule.action(p, t)
-                policy = schedule.policies[p] if mode == "policy" else _KEEP_INPUT
-                h, snapshots[p], keeps = policy.forward(fns[p], h, views[p], snapshots[p])
-                kept[p] = (policy, keeps)
-                del keeps
-                for i in range(p + 1, q):
-                    h, snapshots[i] = fns[i].forward(h, views[i], snapshots[i])
-                p = q
-            return h
-
-        meter.reset()
-        h = descend(0, last + 1, batch[self.network.inputs])
-        step_peak, peaks = meter.peaks(), [0] * (last + 1)
-
-        def measured(k):
+        def measured(k):  # the window since the last reset is section k's backward
             device_peaks = meter.peaks()
             for d, p in device_peaks.items():
                 step_peak[d] = max(step_peak[d], p)
             peaks[k] = max(device_peaks.values())
+            meter.reset()
 
         meter.reset()
-        loss, upstream, var_grads = fns[last].fused(h, views[last])
-        # Check mode keeps each section's input one section longer, to compare the re-run of the one before.
-        expected = h if self.check else None
-        del h
-        grads: list = [None] * len(self._trainable)
-        self._accumulate(grads, self.sections[last].variables, var_grads)
-        measured(last)
-        for k in range(last - 1, -1, -1):
-            meter.reset()
-            if kept[k] is None:
-                j, border = _resume_point(kept, k)
-                kept[k] = (_KEEP_INPUT, descend(j, k + 1, border))
-                del border
-            policy, keeps = kept[k]
-            kept[k] = None
-            upstream, var_grads = policy.backward(fns[k], keeps, views[k], upstream, snapshots[k],
-                                                  expected if self.check else None)
-            expected = policy.input_border(keeps) if self.check else None
-            del keeps
-            snapshots[k] = None
-            self._accumulate(grads, self.sections[k].variables, var_grads)
-            measured(k)
+        for step in schedule.program:
+            k = step.section
+            if step.op == FORWARD:
+                policy = kept_policy(schedule, step)
+                if policy is None:
+                    h, snapshots[k] = fns[k].forward(h, views[k], snapshots[k])
+                else:
+                    h, snapshots[k], keeps = policy.forward(fns[k], h, views[k], snapshots[k])
+                    kept[k] = (policy, keeps)
+                    del keeps
+            elif step.op == LOSS:
+                step_peak = meter.peaks()
+                meter.reset()
+                loss, upstream, var_grads = fns[k].fused(h, views[k])
+                # Check mode keeps each section's input one section longer, to compare the re-run of the one before.
+                expected = h if self.check else None
+                h = None
+                self._accumulate(grads, self.sections[k].variables, var_grads)
+                measured(k)
+            elif step.op == RESUME:
+                policy, keeps = kept[step.source]
+                h = policy.resume_border(keeps)
+                del keeps
+            elif step.op == HOLD:
+                kept[k], h = (KEEP_INPUT, h), None
+            else:  # BACKWARD
+                policy, keeps = kept[k]
+                kept[k] = None
+                upstream, var_grads = policy.backward(fns[k], keeps, views[k], upstream, snapshots[k],
+                                                      expected if self.check else None)
+                expected = policy.input_border(keeps) if self.check else None
+                del keeps
+                snapshots[k] = None
+                self._accumulate(grads, self.sections[k].variables, var_grads)
+                measured(k)
         return loss, grads, peaks, step_peak
 
     def _replan_if_over(self, measured: int) -> None:
@@ -307,12 +300,15 @@ class Engine(Trainer):
         self.replans.append(message)
         log.warning(message)
 
-    def _accumulate(self, grads: list, variables: list, var_grads) -> None:
+    def _accumulate(self, grads: list, variables: list, var_grads, in_graph: bool = False) -> None:
+        """Add a section's variable gradients into ``grads``; ``in_graph``: inside one replica's traced step
+        (one_graph), where no per-replica values need joining."""
         for v, g in zip(variables, var_grads):
             if g is None:
                 continue
             i = self._var_index[id(v)]
-            grads[i] = g if grads[i] is None else self.replicas.add(add_gradients, grads[i], g)
+            grads[i] = g if grads[i] is None else (add_gradients(grads[i], g) if in_graph else
+                                                   self.replicas.add(add_gradients, grads[i], g))
 
     def _present(self, grads: list):
         idx = tuple(i for i, g in enumerate(grads) if g is not None)
@@ -350,16 +346,4 @@ def _after(border, gate):
     zero = tf.where(tf.equal(elem, elem), 0.0, float("nan"))
     return tf.nest.map_structure(
         lambda t: t + tf.cast(zero, t.dtype) if t.dtype.is_floating else t, border)
-
-
-def _resume_point(kept, k):
-    """The nearest border below section k that is still held: ``(section index, border)``."""
-    for j in range(k - 1, -1, -1):
-        if kept[j] is not None:
-            policy, keeps = kept[j]
-            point = policy.resume_from(keeps)
-            if point is not None:
-                offset, border = point
-                return j + offset, border
-    raise RuntimeError(f"section_{k}: no kept border to re-create its input from (the schedule keeps none).")
 

@@ -16,7 +16,6 @@ import keras
 import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
 
-from ._base import add_gradients
 from ._engine import Engine
 from ._keras import _checked, from_keras
 
@@ -203,16 +202,14 @@ class _FitEngine(Engine):
         if outside:
             if self._reg_fn is None:
                 self._reg_fn = tf.function(self.replicas.wrap(self._regularization_gradients))
-            for v, g in zip(outside, self._reg_fn()):
-                i = self._var_index[id(v)]
-                grads[i] = g if grads[i] is None else self.replicas.add(add_gradients, grads[i], g)
+            self._accumulate(grads, outside, self._reg_fn())
         return loss, grads, peaks, step_peak
 
     def _graph_cycle(self, batch):
         loss, grads = super()._graph_cycle(batch)
         outside = self._outside_last()
         if outside:
-            self._accumulate_here(grads, outside, self._regularization_gradients())
+            self._accumulate(grads, outside, self._regularization_gradients(), in_graph=True)
         return loss, grads
 
     def _outside_last(self) -> list:

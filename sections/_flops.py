@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from ._profile import _real_specs
 from ._structure import float_leaves
 
 
@@ -11,10 +12,6 @@ def _graph_flops(graph) -> int:
     opts = tf.compat.v1.profiler.ProfileOptionBuilder(
         tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()).with_empty_output().build()
     return int(tf.compat.v1.profiler.profile(graph=graph, options=opts).total_float_ops)
-
-
-def _specs(structure, batch: int):
-    return tf.nest.map_structure(lambda t: tf.TensorSpec([batch, *t.shape[1:]], t.dtype), structure)
 
 
 def section_flops(engine) -> list[dict]:
@@ -26,13 +23,13 @@ def section_flops(engine) -> list[dict]:
     last = len(engine.sections) - 1
     rows = []
     for sec, fns, fields in zip(engine.sections, engine._fns, engine._fields):
-        h = _specs(sec.input_specs, pb)
+        h = _real_specs(sec.input_specs, pb)
         view = {k: tf.TensorSpec(small[k].shape, small[k].dtype) for k in fields}
         forward = _graph_flops(tf.function(fns._first).get_concrete_function(h, view).graph)
         if sec.index == last:
             total = _graph_flops(tf.function(fns._fused).get_concrete_function(h, view).graph)
         else:
-            out = _specs(engine._output_specs[sec.stop - 1], pb)
+            out = _real_specs(engine._output_specs[sec.stop - 1], pb)
             upstream = [tf.TensorSpec(t.shape, t.dtype) for t in float_leaves(out)]
             snapshot = [tf.TensorSpec(v.shape, v.dtype) for v in sec.state_variables]
             fn = tf.function(lambda h, b, u, s: fns._rerun_backward(h, b, u, s, None))

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from . import rules
 from .rules import name_list
-from ._network import Network
+from ._network import Network, unique_variables
 
 README_SECTION = 'the README section "Your own model", README.md#your-own-model'
 
@@ -49,9 +49,9 @@ class KerasNetwork(Network):
         self.check_batch(batch)
 
     def boundary_starts(self, names: Sequence[str]) -> list[int]:
-        for name in names:
-            if isinstance(name, str) and name not in self.boundaries:
-                raise ValueError(self._why_not(name))
+        unknown = [n for n in names if isinstance(n, str) and n not in self.boundaries]
+        if unknown:  # the model's own reason: no such layer, merged into a block, or not a cut
+            raise rules.RuleError(self._why_not(unknown[0]), "not_a_cut", unknown=unknown)
         return rules.resolve_boundaries(self.boundaries, names)
 
     def _why_not(self, name: str) -> str:
@@ -104,15 +104,15 @@ class Segment:
 
     @property
     def layers(self) -> list:
-        return _unique(self._graph.operation(i) for i in self._nodes)
+        return unique_variables(self._graph.operation(i) for i in self._nodes)
 
     @property
     def trainable_variables(self) -> list:
-        return _unique(v for op in self.layers for v in getattr(op, "trainable_variables", ()))
+        return unique_variables(v for op in self.layers for v in getattr(op, "trainable_variables", ()))
 
     @property
     def non_trainable_variables(self) -> list:
-        return _unique(v for op in self.layers for v in getattr(op, "non_trainable_variables", ()))
+        return unique_variables(v for op in self.layers for v in getattr(op, "non_trainable_variables", ()))
 
     def __call__(self, inputs, training=None):
         g = self._graph
@@ -285,6 +285,14 @@ def from_keras(model, loss, inputs: str = "image", fields=None, metrics=None, lo
         keep: layer names that must stay block borders (so ``sections`` may name them).
         names_hint: where the user can read a list of names whole, for errors that shorten it
             (default: ``net.boundaries`` / ``KerasNetwork.cut_points``).
+
+    Also ``sections.Network.from_keras``. The blocks call the model's own layers, so after training ``model``
+    holds the trained weights.
+
+    Example:
+        >>> net = sections.from_keras(keras.applications.ResNet50V2(weights=None, classes=10),
+        ...                           loss=lambda out, batch: ..., inputs="image")
+        >>> Engine(net, optimizer, sections=["conv3_block1_out", "conv4_block1_out"])
     """
     graph = _Graph(_checked(model))
     field_keys = _field_keys(graph.fn, inputs, fields)
@@ -410,10 +418,4 @@ def _choose_cuts(graph: _Graph, cuts: list[int], budget: int, forced: list[int])
     return [c for c in cuts if c in chosen]
 
 
-def _unique(items) -> list:
-    seen, out = set(), []
-    for x in items:
-        if id(x) not in seen:
-            seen.add(id(x))
-            out.append(x)
-    return out
+Network.from_keras = staticmethod(from_keras)

@@ -154,23 +154,10 @@ class Network:
         with keras.StatelessScope():
             tf.function(lambda b: self.forward(b, training=True)).get_concrete_function(specs)
 
-    @classmethod
-    def from_keras(cls, model, loss: LossFn, inputs: str = "image", fields=None, **kwargs) -> "Network":
-        """A network cut from a built Keras Functional or Sequential model at its layer names.
-
-        Boundary names are the model's layers where the graph can be cut; the blocks call the model's own
-        layers, so after training ``model`` holds the trained weights. ``fields``: batch keys of the
-        model's other inputs. More options (``metrics``, ``loss_fields``, ``max_blocks``, ``keep``):
-        ``sections._keras.from_keras``.
-
-        Example:
-            >>> net = Network.from_keras(keras.applications.ResNet50V2(weights=None, classes=10),
-            ...                          loss=lambda out, batch: ..., inputs="image")
-            >>> Engine(net, optimizer, sections=["conv3_block1_out", "conv4_block1_out"])
-        """
-        from ._keras import from_keras
-
-        return from_keras(model, loss, inputs=inputs, fields=fields, **kwargs)
+    #: ``Network.from_keras(model, loss, inputs="image", fields=None, ...)``: a network cut from a built Keras
+    #: model at its layer names; it is ``sections.from_keras``, set on this class by ``sections._keras`` (which
+    #: builds on this module, so nothing here imports it back).
+    from_keras = None
 
 
 def _to_block(item) -> Block:

@@ -6,14 +6,15 @@ kept, upstream gradient -> gradient on its input, gradients on its variables), i
 section's compiled functions (``sections._compile.SectionFunctions``); ``snapshot`` is the section's state
 before its first run in this step (``None`` on that first run), which every re-run replays.
 
-A new policy is a subclass with ``forward``, ``backward`` and ``cost`` (what the planner needs to weigh it).
+A new policy is one class here: a subclass with ``forward``, ``backward`` and ``cost`` (what the planner needs to
+weigh it), its static facts (``keeps_input``, ``reruns_forward``, ``resume_offset``: what the step's program and
+its forward-run counter read), and ``@register`` to give it a name configs can use. This module imports no
+TensorFlow at load, so ``sections.rules`` derives the allowed names from the registry.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import tensorflow as tf
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,14 @@ class PolicyCost:
 
 
 class Policy:
-    """Base class. ``keeps_input``: whether the step's first forward keeps the section's input border."""
+    """Base class. ``keeps_input``: whether the step's first forward keeps the section's input border.
+    ``reruns_forward``: whether its backward runs the section's forward again. ``resume_offset``: which border
+    what it keeps holds, for a re-creating descent to start from (0: its input, 1: its output, None: none)."""
 
     name = "policy"
     keeps_input = True
+    reruns_forward = True
+    resume_offset: int | None = None
 
     def forward(self, fns, h, view, snapshot):
         """Returns ``(output border, snapshot, kept)``."""
@@ -52,9 +57,9 @@ class Policy:
         """The section's input border if what it kept includes it (check mode compares re-runs with it)."""
         return None
 
-    def resume_from(self, kept):
-        """``(offset, border)``: a border a re-creating descent can start from (border ``index + offset``)."""
-        return None
+    def resume_border(self, kept):
+        """The border (``index + resume_offset``) a re-creating descent starts from."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         return self.name
@@ -66,10 +71,21 @@ class Policy:
         return hash(type(self))
 
 
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Name a policy class, so configs and ``policy="<name>"`` can pick it (``sections.rules.POLICIES``)."""
+    POLICIES[cls.name] = cls
+    return cls
+
+
+@register
 class Recompute(Policy):
     """Keep the input border; re-run the forward from it in the backward (state replayed)."""
 
     name = "recompute"
+    resume_offset = 0
 
     def forward(self, fns, h, view, snapshot):
         out, snapshot = fns.forward(h, view, snapshot)
@@ -84,24 +100,21 @@ class Recompute(Policy):
     def input_border(self, kept):
         return kept
 
-    def resume_from(self, kept):
-        return 0, kept
+    def resume_border(self, kept):
+        return kept
 
 
-class Recreate(Recompute):
-    """Multi-level recompute: the first forward drops the input border; the backward re-creates it by
-    re-running the chain from the nearest kept border (as the schedule says), then re-runs like ``recompute``."""
-
-    name = "recreate"
-    keeps_input = False
-
-
+@register
 class Store(Policy):
     """Keep what the forward's tape needs; the backward re-runs nothing."""
 
     name = "store"
+    reruns_forward = False
+    resume_offset = 1
 
     def forward(self, fns, h, view, snapshot):
+        import tensorflow as tf
+
         tape = tf.GradientTape()
         try:
             with tape:
@@ -126,17 +139,27 @@ class Store(Policy):
     def input_border(self, kept):
         return kept[1]
 
-    def resume_from(self, kept):
-        return 1, kept[2]
+    def resume_border(self, kept):
+        return kept[2]
 
 
-BUILTIN = {p.name: p for p in (Recompute(), Store(), Recreate())}
+@register
+class Recreate(Recompute):
+    """Multi-level recompute: the first forward drops the input border; the backward re-creates it by
+    re-running the chain from the nearest kept border (as the schedule says), then re-runs like ``recompute``."""
+
+    name = "recreate"
+    keeps_input = False
+
+
+#: What a descent's ``"keep"`` action runs: keep the input border, for a re-run in the backward.
+KEEP_INPUT = Recompute()
 
 
 def resolve(policy) -> Policy:
     """A policy object from a name or an object."""
     if isinstance(policy, Policy):
         return policy
-    if isinstance(policy, str) and policy in BUILTIN:
-        return BUILTIN[policy]
-    raise ValueError(f"Unknown policy {policy!r}; allowed: {list(BUILTIN)} or a sections.Policy object.")
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]()
+    raise ValueError(f"Unknown policy {policy!r}; allowed: {list(POLICIES)} or a sections.Policy object.")

@@ -13,6 +13,7 @@ import contextlib
 
 import tensorflow as tf
 
+from . import rules
 
 
 class DistributeError(ValueError):
@@ -65,9 +66,10 @@ class Replicas:
         if not self.distributed:
             return batch
         size = local_size(batch, self)
-        if size % self.count:
-            raise DistributeError(f"batch {size} does not divide by the {self.count} replicas; use a multiple "
-                                  f"of {self.count}.")
+        try:
+            rules.check_batch_divides(size, self.count)
+        except rules.RuleError as err:
+            raise DistributeError(str(err)) from None
         n = size // self.count
 
         def slice_for(ctx):

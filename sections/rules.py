@@ -10,11 +10,25 @@ import math
 import re
 from typing import Mapping, Sequence
 
-#: Built-in per-section policies: re-run the forward in the backward (its input border kept), keep the
-#: forward's tape, or drop the input border and re-create it from the nearest kept one (multi-level).
-POLICIES = ("recompute", "store", "recreate")
+from ._policies import POLICIES as _REGISTRY
+
+#: Per-section policy names, from the registry in ``sections._policies`` (built in: re-run the forward in the
+#: backward, its input border kept; keep the forward's tape; drop the input border and re-create it from the
+#: nearest kept one, multi-level).
+POLICIES = tuple(_REGISTRY)
 #: Training strategies: this engine, or a baseline at the same partition.
 STRATEGIES = ("sectioned", "whole", "recompute_grad")
+
+
+
+class RuleError(ValueError):
+    """A rule's answer: its one-line message, with the rule's name and the facts it decided on, so a caller that
+    words answers its own way (the runner's ``key=value: ...``) wraps the answer and restates no rule."""
+
+    def __init__(self, message: str, rule: str, **facts):
+        super().__init__(message)
+        self.rule, self.facts = rule, facts
+
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -55,7 +69,8 @@ def check_strategy(strategy: str) -> None:
 
 
 def check_sections_arg(sections, memory_budget=None) -> None:
-    """The shape of a ``sections`` argument, before the network is known."""
+    """The shape of a ``sections`` argument, before the network is known (``memory_budget`` is parsed by
+    ``parse_bytes``, once, by the caller)."""
     allowed = "must be an int >= 1, a list of boundary names, or 'auto'"
     if isinstance(sections, bool) or not isinstance(sections, (int, list, tuple, str)):
         raise ValueError(f"sections={sections!r}: {allowed}.")
@@ -65,8 +80,7 @@ def check_sections_arg(sections, memory_budget=None) -> None:
         if sections != "auto":
             raise ValueError(f"sections={sections!r}: {allowed}.")
         if memory_budget is None:
-            raise ValueError("sections='auto' needs memory_budget (bytes or a size like '2GiB').")
-        parse_bytes(memory_budget)
+            raise RuleError("sections='auto' needs memory_budget (bytes or a size like '2GiB').", "auto_needs_budget")
     if isinstance(sections, (list, tuple)):
         if not sections or not all(isinstance(n, str) and n for n in sections):
             raise ValueError(f"sections={list(sections)!r}: a list of sections must hold one or more boundary "
@@ -89,11 +103,13 @@ def default_boundaries(block_names: Sequence[str]) -> dict[str, int]:
 def resolve_boundaries(boundaries: Mapping[str, int], names: Sequence[str]) -> list[int]:
     """Block indices where sections 1.. start, from boundary names (see ``default_boundaries``)."""
     valid = list(boundaries)
+    unknown = [b for b in names if not isinstance(b, str) or b not in boundaries]
+    if unknown:
+        b = unknown[0]
+        raise RuleError(f"Unknown section boundary {b!r}{_did_you_mean(str(b), valid)}; valid boundary "
+                        f"names are: {valid}.", "unknown_boundary", unknown=unknown)
     starts = []
     for b in names:
-        if not isinstance(b, str) or b not in boundaries:
-            raise ValueError(f"Unknown section boundary {b!r}{_did_you_mean(str(b), valid)}; valid boundary "
-                             f"names are: {valid}.")
         if boundaries[b] == 0:
             raise ValueError(f"Section boundary {b!r} is the first block, which would leave the first section "
                              f"empty; choose from: {[n for n in valid if boundaries[n] > 0]}.")
@@ -114,8 +130,16 @@ def check_probe_batch(probe_batch) -> None:
 
 def check_section_count(sections: int, num_blocks: int, block_names: Sequence[str]) -> None:
     if sections > num_blocks:
-        raise ValueError(f"sections={sections}: more sections than blocks; this network has {num_blocks} blocks"
-                         f"{name_list(block_names, 'network.block_names lists them all')}.")
+        raise RuleError(f"sections={sections}: more sections than blocks; this network has {num_blocks} blocks"
+                        f"{name_list(block_names, 'network.block_names lists them all')}.", "more_sections_than_blocks",
+                        num_blocks=num_blocks)
+
+
+def check_batch_divides(batch: int, replicas: int) -> None:
+    """Each replica takes an equal slice of the global batch."""
+    if batch % replicas:
+        raise RuleError(f"batch {batch} does not divide by the {replicas} replicas; use a multiple of {replicas}.",
+                        "batch_not_divisible", replicas=replicas)
 
 
 def name_list(names: Sequence[str], hint: str, head: int = 5, tail: int = 5) -> str:

@@ -1,0 +1,145 @@
+"""The house plan of docs/ARCHITECTURE.md, held against the code: every import (lazy ones inside functions too)
+runs down the layers, never up; the plain-Python layer loads no TensorFlow; runner and models use only the engine's
+public surface. Read as text (AST), nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Lowest first. A module may import its own layer and the layers before it (in its package), never a later one.
+LAYERS = {
+    "sections": [
+        ("plain", ["sections/rules.py", "sections/allocator.py", "sections/_policies.py", "sections/_schedule.py",
+                   "sections/_planner.py", "sections/_partition.py"]),
+        ("backend", ["sections/_structure.py", "sections/_memory.py", "sections/_relaxed.py", "sections/_replicas.py",
+                     "sections/_precision.py", "sections/_profile.py"]),
+        ("network", ["sections/_network.py", "sections/_keras.py"]),
+        ("step", ["sections/_compile.py", "sections/_base.py", "sections/_engine.py", "sections/_peers.py",
+                  "sections/_flops.py", "sections/_fit.py"]),
+        ("verify", ["sections/_verify.py"]),
+        ("facade", ["sections/__init__.py"]),
+    ],
+    "runner": [
+        ("errors", ["runner/errors.py"]),
+        ("platform", ["runner/distribute.py", "runner/threads.py", "runner/quiet.py", "runner/isolate.py",
+                      "runner/lock.py", "runner/precision.py", "runner/sizes.py", "runner/files.py"]),
+        ("config", ["runner/schema.py", "runner/checks.py", "runner/overrides.py", "runner/direction.py",
+                    "runner/resume.py"]),
+        ("record", ["runner/record.py", "runner/tb.py"]),
+        ("run", ["runner/build.py", "runner/train.py", "runner/hooks.py", "runner/datafeed.py",
+                 "runner/checkpoint.py", "runner/finite.py", "runner/progress.py"]),
+        ("front door", ["runner/__init__.py", "runner/__main__.py", "runner/app.py", "runner/help.py",
+                        "runner/job.py", "runner/callbacks.py", "runner/report.py"]),
+    ],
+}
+#: What of the engine the other packages may import: its public names, its rules, its allocator setting.
+PUBLIC_SECTIONS = {"sections", "sections.rules", "sections.allocator"}
+#: Layers that must load without TensorFlow (the runner checks config with them before anything heavy loads).
+PLAIN = {"plain"}
+TF_MODULES = {"tensorflow", "keras"}
+
+
+def _layer_of() -> dict[str, tuple[str, int, str]]:
+    """``{module name: (package, layer index, layer name)}``."""
+    out = {}
+    for package, layers in LAYERS.items():
+        for index, (name, paths) in enumerate(layers):
+            for path in paths:
+                out[_module(Path(path))] = (package, index, name)
+    return out
+
+
+def _module(path: Path) -> str:
+    parts = list(path.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, source: str | None = None):
+    """``(module imported, line, at module level)`` for every import in the file, relative ones resolved."""
+    tree = ast.parse(source if source is not None else (ROOT / path).read_text())
+    package = _module(path) if path.name == "__init__.py" else _module(path).rsplit(".", 1)[0]
+    top = {id(n) for n in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno, id(node) in top
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module
+            for alias in node.names:  # `from . import rules` / `from runner import distribute` name modules
+                name = f"{stem}.{alias.name}"
+                yield (name if _is_module(name) else stem), node.lineno, id(node) in top
+
+
+def _upward(path: Path, source: str | None = None) -> list[str]:
+    """The imports of ``path`` (its text, or ``source``) that reach a later layer of its own package."""
+    layer_of = _layer_of()
+    package, mine, my_name = layer_of[_module(path)]
+    wrong = []
+    for target, line, _ in _imports(path, source):
+        if target in layer_of and layer_of[target][0] == package and layer_of[target][1] > mine:
+            wrong.append(f"{path}:{line} ({my_name}) imports {target} ({layer_of[target][2]}, a later layer)")
+    return wrong
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def _files(package: str) -> list[Path]:
+    return sorted(p.relative_to(ROOT) for p in (ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", list(LAYERS))
+def test_every_module_has_a_place_in_the_plan(package):
+    placed = {p for _, paths in LAYERS[package] for p in paths}
+    missing = [str(p) for p in _files(package) if str(p) not in placed]
+    gone = [p for p in placed if not (ROOT / p).exists()]
+    assert not missing and not gone, (f"docs/ARCHITECTURE.md's plan (tests/test_architecture.py LAYERS) lacks "
+                                      f"{missing}; names files that are gone: {gone}")
+
+
+@pytest.mark.parametrize("package", list(LAYERS))
+def test_imports_run_down_the_layers(package):
+    wrong = [w for path in _files(package) for w in _upward(path)]
+    assert not wrong, "imports against the plan in docs/ARCHITECTURE.md:\n" + "\n".join(wrong)
+
+
+def test_packages_import_one_way():
+    """runner -> models -> sections; runner and models reach the engine only through its public surface."""
+    wrong = []
+    for package, below in [("sections", set()), ("models", {"sections"}), ("runner", {"sections", "models"})]:
+        for path in _files(package):
+            for target, line, _ in _imports(path):
+                root = target.split(".")[0]
+                if root in {"sections", "models", "runner"} - {package} - below:
+                    wrong.append(f"{path}:{line} imports {target} ({package} may not import {root})")
+                elif root == "sections" and package != "sections" and target not in PUBLIC_SECTIONS:
+                    wrong.append(f"{path}:{line} imports {target} (the engine's public names are in `sections`)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_plain_layer_loads_no_tensorflow():
+    layer_of, wrong = _layer_of(), []
+    for path in _files("sections"):
+        if layer_of[_module(path)][2] in PLAIN:
+            wrong += [f"{path}:{line} imports {t} at load" for t, line, top in _imports(path)
+                      if top and t.split(".")[0] in TF_MODULES]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_check_finds_an_upward_import():
+    """The checker itself: a lazy relative import of a later layer is resolved and caught; a lower one is not."""
+    network = Path("sections/_network.py")
+    assert len(_upward(network, "def f():\n    from ._engine import Engine\n    from . import rules\n")) == 1
+    assert _upward(network, "from . import rules\nfrom ._structure import nbytes\n") == []
