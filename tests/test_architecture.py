@@ -21,7 +21,7 @@ LAYERS = {
         ("network", ["sections/_network.py", "sections/_keras.py"]),
         ("step", ["sections/_compile.py", "sections/_base.py", "sections/_engine.py", "sections/_peers.py",
                   "sections/_flops.py", "sections/_fit.py"]),
-        ("verify", ["sections/_verify.py"]),
+        ("verify", ["sections/_verify.py", "sections/_export.py"]),
         ("facade", ["sections/__init__.py"]),
     ],
     "runner": [
@@ -32,7 +32,7 @@ LAYERS = {
                     "runner/resume.py"]),
         ("record", ["runner/record.py", "runner/tb.py"]),
         ("run", ["runner/build.py", "runner/train.py", "runner/hooks.py", "runner/datafeed.py",
-                 "runner/checkpoint.py", "runner/finite.py", "runner/progress.py"]),
+                 "runner/checkpoint.py", "runner/finite.py", "runner/progress.py", "runner/export.py"]),
         ("front door", ["runner/__init__.py", "runner/__main__.py", "runner/app.py", "runner/help.py",
                         "runner/job.py", "runner/callbacks.py", "runner/report.py"]),
     ],

@@ -72,6 +72,23 @@ def parse_standardize(mean, std, channels: int) -> tuple[tuple[float, ...], tupl
     return values("mean", mean, 0.0, False), values("std", std, 1.0, True)
 
 
+def check_counts(**values) -> None:
+    """Each ``data.<key>=value`` an integer >= 1, or a ValueError naming it."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"data.{key}={value!r}: must be an integer >= 1.")
+
+
+def check_image_size(image_size) -> list[int] | None:
+    """``data.image_size``: ``[height, width]`` (two integers >= 1) or ``None``."""
+    if image_size is None:
+        return None
+    size = list(image_size) if isinstance(image_size, Sequence) and not isinstance(image_size, str) else None
+    if size is None or len(size) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in size):
+        raise ValueError(f"data.image_size={image_size!r}: must be [height, width], two integers >= 1.")
+    return size
+
+
 def parse_augment(augment) -> list[tuple[str, float | None]]:
     """``data.augment``: a list of names, each optionally ``name:strength`` (``[flip, translate:0.125]``)."""
     if augment is None:

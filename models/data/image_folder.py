@@ -12,7 +12,8 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from ._stream import StreamSource, fail_unless, parse_augment, parse_rescale, parse_standardize, shuffled_indices
+from ._stream import (StreamSource, check_image_size, fail_unless, parse_augment, parse_rescale, parse_standardize,
+                      shuffled_indices)
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 COLOR_MODES = {"rgb": 3, "grayscale": 1, "rgba": 4}
@@ -172,12 +173,7 @@ def image_folder(path: str | None = None, test_path: str | None = None, validati
             raise ValueError(f"data.path={path!r}: no complete image left in the "
                              f"{'training' if not len(train[0]) else 'test'} split after skipping corrupt files.")
     channels = COLOR_MODES[color_mode]
-    if image_size is not None:
-        size = list(image_size)
-        if len(size) != 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in size):
-            raise ValueError(f"data.image_size={image_size!r}: must be [height, width], two integers >= 1.")
-    else:
-        size = _first_size(train[0][0], channels)
+    size = check_image_size(image_size) or _first_size(train[0][0], channels)
     return ImageFolderSource(train, test, classes, (*size, channels), resize=image_size is not None,
                              rescale=parse_rescale(rescale, 1 / 255), augment=parse_augment(augment), info=info,
                              standardize=parse_standardize(mean, std, channels))

@@ -12,7 +12,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from ._stream import check_label, fail_unless, parse_augment, parse_rescale, parse_standardize
+from ._stream import (check_counts, check_image_size, check_label, fail_unless, parse_augment, parse_rescale,
+                      parse_standardize)
 from .tfrecord import TFRecordSource
 
 
@@ -93,18 +94,13 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
     elif isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"data.num_classes={num_classes!r}: {name!r}'s label {label_key!r} is a plain integer; "
                          f"give the number of classes (an integer >= 1).")
-    for key, value in (("shuffle_buffer", shuffle_buffer), ("cycle_length", cycle_length)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"data.{key}={value!r}: must be an integer >= 1.")
+    check_counts(shuffle_buffer=shuffle_buffer, cycle_length=cycle_length)
     train, n_train = _split(info, train_split, "train_split", name)
     test, n_test = _split(info, test_split, "test_split", name)
-    if image_size is not None:
-        if len(image_size) != 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in image_size):
-            raise ValueError(f"data.image_size={image_size!r}: must be [height, width], two integers >= 1.")
-        size = list(image_size)
-    elif shape[0] is not None and shape[1] is not None:
+    size = check_image_size(image_size)
+    if size is None and shape[0] is not None and shape[1] is not None:
         size = list(shape[:2])
-    else:
+    elif size is None:  # images of any size: the first one's, others must match
         first = next(iter(tf.data.TFRecordDataset(train[0][0]).skip(train[0][1]).take(1)))
         image = features.deserialize_example(first)[image_key]
         size = [int(image.shape[0]), int(image.shape[1])]

@@ -14,7 +14,8 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from ._stream import StreamSource, check_label, fail_unless, parse_augment, parse_rescale, parse_standardize
+from ._stream import (StreamSource, check_counts, check_image_size, check_label, fail_unless, parse_augment,
+                      parse_rescale, parse_standardize)
 from .image_folder import COLOR_MODES
 
 FORMATS = ("encoded", "raw")
@@ -122,9 +123,7 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"data.num_classes={num_classes!r}: give the number of classes (an integer >= 1; labels "
                          f"are 0 .. num_classes - 1).")
-    for key, value in (("shuffle_buffer", shuffle_buffer), ("cycle_length", cycle_length)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"data.{key}={value!r}: must be an integer >= 1.")
+    check_counts(shuffle_buffer=shuffle_buffer, cycle_length=cycle_length)
     try:
         dtype = tf.as_dtype(image_dtype)
     except TypeError:
@@ -138,13 +137,10 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
     first_image = _check_first_record(train[0], "train_files", spec, compression)
     _check_first_record(test[0], "test_files", spec, compression)
     channels = spec["shape"][2] if image_format == "raw" else COLOR_MODES[color_mode]
-    if image_size is not None:
-        if len(image_size) != 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in image_size):
-            raise ValueError(f"data.image_size={image_size!r}: must be [height, width], two integers >= 1.")
-        size = list(image_size)
-    elif image_format == "raw":
+    size = check_image_size(image_size)
+    if size is None and image_format == "raw":
         size = list(spec["shape"][:2])
-    else:
+    elif size is None:
         decoded = tf.io.decode_image(first_image, channels=channels, expand_animations=False)
         size = [int(decoded.shape[0]), int(decoded.shape[1])]
     uint8 = image_format == "encoded" or dtype == tf.uint8
