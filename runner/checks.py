@@ -67,9 +67,6 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-TRAINERS = {"sections.Engine": "sectioned", "sections.WholeGraph": "whole", "sections.RecomputeGrad": "recompute_grad"}
-
-
 def check_sections(value, memory_budget=None, key: str = "sections") -> None:
     if value is None:
         return
@@ -80,8 +77,8 @@ def check_sections(value, memory_budget=None, key: str = "sections") -> None:
 
 
 def _check_engine(engine: DictConfig) -> None:
-    if engine._target_ not in TRAINERS:
-        raise ConfigError("engine._target_", engine._target_, f"allowed: {', '.join(TRAINERS)}")
+    if engine._target_ not in rules.TRAINERS:
+        raise ConfigError("engine._target_", engine._target_, f"allowed: {', '.join(rules.TRAINERS)}")
     policy = list(engine.policy) if isinstance(engine.policy, ListConfig) else engine.policy
     apply_rule("engine.policy", policy, rules.check_policy_names, policy)
     if engine.memory_budget is not None:

@@ -145,11 +145,14 @@ def _slurm_task(env: Mapping[str, str]) -> Task:
 
 
 def check_batch(batch, replicas: int, where: str) -> None:
-    """`batch` is the global batch; each replica takes an equal slice of it."""
+    """`batch` is the global batch; each replica takes an equal slice of it (the engine's rule, in config words)."""
+
+    def reason(replicas):
+        return (f"must divide by the {replicas} replicas ({where}); use a multiple of {replicas} such as "
+                f"{replicas * max(1, batch // replicas)}")
+
     if isinstance(batch, int):
-        apply_rule("batch", batch, rules.check_batch_divides, batch, replicas, wording={
-            "batch_not_divisible": lambda replicas: f"must divide by the {replicas} replicas ({where}); use a "
-                                                    f"multiple of {replicas} such as {replicas * max(1, batch // replicas)}"})
+        apply_rule("batch", batch, rules.check_batch_divides, batch, replicas, wording={"batch_not_divisible": reason})
 
 
 def make_strategy(cfg: DictConfig, environ: Optional[Mapping[str, str]] = None):

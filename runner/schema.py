@@ -2,8 +2,9 @@
 
 `conf/config.yaml` starts from `runner_schema` (which types `engine` and `train`); each `optimizer/` option starts
 from `optimizer_<name>_schema`, so a wrong type or an unknown key fails when Hydra composes the config. The
-defaults of `engine`, `train` and the top-level keys are the YAML's (`conf/engine/default.yaml`,
-`conf/train/default.yaml`, `conf/config.yaml`): the schema types them and reads their values from there.
+defaults of `engine`, `train`, `distribute` and the top-level keys are the YAML's (`conf/engine/default.yaml`,
+`conf/train/default.yaml`, `conf/distribute/*.yaml`, `conf/config.yaml`): the schema types them and reads their
+values from there; the optimizer options' YAML sets what the schema leaves MISSING.
 `model` and `data` are free-form (each builder has its own arguments) and are checked by `runner.checks`.
 """
 
@@ -20,24 +21,27 @@ from omegaconf import MISSING, OmegaConf
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
-def defaults_from(yaml_file: str, keys: Optional[List[str]] = None):
-    """A dataclass whose field defaults are read from ``conf/<yaml_file>``, where each default and its comment
-    are written (once). ``keys``: the fields to read (default: every annotated field). A field the YAML lacks,
-    or a YAML key the class does not type, fails at import: the two cannot drift apart."""
+def defaults_from(sources):
+    """A dataclass whose field defaults are read from the YAML in `conf/`, where each default and its comment are
+    written (once). ``sources``: a file (every annotated field, and no other key, must be in it), or
+    ``{file: [fields]}`` (those fields from that file). A field the YAML lacks, or a key the class does not type,
+    fails at import: the two cannot drift apart."""
 
     def wrap(cls):
-        values = OmegaConf.to_container(OmegaConf.load(CONF / yaml_file))
-        values.pop("defaults", None)
-        typed = list(keys if keys is not None else cls.__annotations__)
-        extra = [k for k in values if k not in cls.__annotations__] if keys is None else []
-        missing = [k for k in typed if k not in values]
-        if missing or extra:
-            raise TypeError(f"conf/{yaml_file} and runner.schema.{cls.__name__} disagree: "
-                            f"{'not in the YAML: ' + ', '.join(missing) if missing else ''}"
-                            f"{'; ' if missing and extra else ''}{'not typed: ' + ', '.join(extra) if extra else ''}")
-        for key in typed:
-            value = values[key]
-            setattr(cls, key, field(default_factory=lambda v=value: list(v)) if isinstance(value, list) else value)
+        for yaml_file, keys in ({sources: None} if isinstance(sources, str) else sources).items():
+            values = OmegaConf.to_container(OmegaConf.load(CONF / yaml_file))
+            values.pop("defaults", None)
+            typed = list(keys if keys is not None else cls.__annotations__)
+            extra = [k for k in values if k not in cls.__annotations__] if keys is None else []
+            missing = [k for k in typed if k not in values]
+            if missing or extra:
+                raise TypeError(f"conf/{yaml_file} and runner.schema.{cls.__name__} disagree: "
+                                f"{'not in the YAML: ' + ', '.join(missing) if missing else ''}"
+                                f"{'; ' if missing and extra else ''}"
+                                f"{'not typed: ' + ', '.join(extra) if extra else ''}")
+            for key in typed:
+                value = values[key]
+                setattr(cls, key, field(default_factory=lambda v=value: list(v)) if isinstance(value, list) else value)
         return dataclass(cls)
 
     return wrap
@@ -74,12 +78,14 @@ class TrainConfig:
     precision: str
 
 
+# Each optimizer/ option's YAML sets `_target_`, `learning_rate` and what it changes from Keras's defaults; the
+# schema types those (MISSING: the YAML's value) and holds Keras's defaults for the rest.
 @dataclass
 class OptimizerConfig:
     """A Keras optimizer by `_target_`; the fields every Keras optimizer accepts."""
 
-    _target_: str = "keras.optimizers.Adam"
-    learning_rate: float = 1e-3
+    _target_: str = MISSING
+    learning_rate: float = MISSING
     weight_decay: Optional[float] = None
     clipnorm: Optional[float] = None
     global_clipnorm: Optional[float] = None
@@ -87,7 +93,6 @@ class OptimizerConfig:
 
 @dataclass
 class AdamConfig(OptimizerConfig):
-    _target_: str = "keras.optimizers.Adam"
     beta_1: float = 0.9
     beta_2: float = 0.999
     epsilon: float = 1e-7
@@ -96,40 +101,38 @@ class AdamConfig(OptimizerConfig):
 
 @dataclass
 class AdamWConfig(AdamConfig):
-    _target_: str = "keras.optimizers.AdamW"
-    weight_decay: Optional[float] = 0.004
+    weight_decay: Optional[float] = MISSING
 
 
 @dataclass
 class SGDConfig(OptimizerConfig):
-    _target_: str = "keras.optimizers.SGD"
-    learning_rate: float = 0.01
-    momentum: float = 0.0
-    nesterov: bool = False
+    momentum: float = MISSING
+    nesterov: bool = MISSING
 
 
 @dataclass
 class RMSpropConfig(OptimizerConfig):
-    _target_: str = "keras.optimizers.RMSprop"
     rho: float = 0.9
     momentum: float = 0.0
     epsilon: float = 1e-7
     centered: bool = False
 
 
-@dataclass
+@defaults_from({"distribute/none.yaml": ["kind"], "distribute/mirrored.yaml": ["cpu_devices"],
+                "distribute/multi_worker.yaml": ["cluster", "communication", "port_base", "timeout_seconds"]})
 class DistributeConfig:
-    """How a run spreads over devices and workers (`runner.distribute`): none | mirrored | multi_worker."""
+    """How a run spreads over devices and workers (`runner.distribute`); each field's default and meaning are in
+    the `distribute/` option that uses it."""
 
-    kind: str = "none"
-    cpu_devices: Optional[int] = None  # mirrored: N logical CPU devices instead of the local GPUs
-    cluster: str = "auto"  # multi_worker: auto | tf_config | slurm
-    communication: str = "auto"  # multi_worker: auto | ring | nccl
-    port_base: int = 8888  # multi_worker under SLURM: first port on each node
-    timeout_seconds: Optional[float] = None  # multi_worker: collective-op timeout
+    kind: str
+    cpu_devices: Optional[int]
+    cluster: str
+    communication: str
+    port_base: int
+    timeout_seconds: Optional[float]
 
 
-@defaults_from("config.yaml", keys=["batch", "sections", "resume"])
+@defaults_from({"config.yaml": ["batch", "sections", "resume"]})
 class Config:
     """The whole run (`conf/config.yaml` says what `batch`, `sections` and `resume` hold)."""
 
