@@ -10,9 +10,9 @@ import math
 import re
 from typing import Mapping, Sequence
 
-from ._policies import POLICIES as _REGISTRY
+from .schedule.policies import POLICIES as _REGISTRY
 
-#: Per-section policy names, from the registry in ``sections._policies`` (built in: re-run the forward in the
+#: Per-section policy names, from the registry in ``sections.schedule.policies`` (built in: re-run the forward in the
 #: backward, its input border kept; keep the forward's tape; drop the input border and re-create it from the
 #: nearest kept one, multi-level).
 POLICIES = tuple(_REGISTRY)

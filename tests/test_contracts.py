@@ -94,7 +94,7 @@ def test_every_argument_is_documented(name):
 
 def test_documented_engine_methods_exist():
     methods = set()
-    for cls, path in [("Trainer", ROOT / "sections" / "_base.py"), ("Engine", None)]:
+    for cls, path in [("Trainer", ROOT / "sections" / "step" / "base.py"), ("Engine", None)]:
         node, _ = _definition(cls, path) if path else _definition(cls)
         methods |= {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
     called = set(re.findall(r"^engine\.(\w+)\(", CODE, re.M))
@@ -103,7 +103,7 @@ def test_documented_engine_methods_exist():
 
 
 def test_documented_stats_keys_are_reported():
-    node, _ = _definition("Trainer", ROOT / "sections" / "_base.py")
+    node, _ = _definition("Trainer", ROOT / "sections" / "step" / "base.py")
     stats = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "_stats")
     reported = {c.value for c in ast.walk(stats) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
     shown = set(re.findall(r'stats\["(\w+)"\]', CODE))
