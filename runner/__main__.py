@@ -10,10 +10,10 @@ from sections.allocator import configure  # noqa: E402  (plain Python: TensorFlo
 configure()  # memory statistics on every CPU: must happen before TensorFlow loads
 
 from runner.app import CONF, main  # noqa: E402
+from runner.config.overrides import check_overrides  # noqa: E402
+from runner.config.resume import resume_arguments  # noqa: E402
 from runner.errors import ConfigError, full_errors  # noqa: E402
 from runner.help import cut_names_section, help_args, wants_help  # noqa: E402
-from runner.overrides import check_overrides  # noqa: E402
-from runner.resume import resume_arguments  # noqa: E402
 
 if __name__ == "__main__":
     try:

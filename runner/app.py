@@ -7,8 +7,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from runner import schema
-from runner.checks import check_config
+from runner.config import schema
+from runner.config.checks import check_config
 from runner.job import guarded
 
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
@@ -27,29 +27,29 @@ def run(cfg: DictConfig, out: Path) -> float:
     if cfg.resume is not None:
         cfg, changes, out = _resumed(cfg)
     check_config(cfg)
-    from runner import distribute
+    from runner.platform import distribute
 
     task = distribute.check(cfg)
     if task is not None and not task.is_chief:
         return _run(cfg, out, changes)  # the chief holds the folder's lock; this worker writes into scratch
-    from runner.lock import holding
+    from runner.platform.lock import holding
 
     with holding(out):
         return _run(cfg, out, changes)
 
 
 def _run(cfg: DictConfig, out: Path, changes: dict) -> float:
-    from runner import distribute
-    from runner.quiet import load_tensorflow
+    from runner.platform import distribute
+    from runner.platform.quiet import load_tensorflow
 
     load_tensorflow()
-    from runner.threads import set_inter_op_threads
+    from runner.platform.threads import set_inter_op_threads
 
     set_inter_op_threads(cfg.train.inter_op_threads)  # before the runtime starts (the strategy starts it)
     strategy = distribute.make_strategy(cfg)  # before anything else runs TensorFlow
-    from runner.build import build
-    from runner.precision import keeping_dtype_policy
-    from runner.train import fit
+    from runner.platform.precision import keeping_dtype_policy
+    from runner.run.build import build
+    from runner.run.train import fit
 
     with keeping_dtype_policy():
         if distribute.is_chief(strategy):
@@ -65,8 +65,8 @@ def _run(cfg: DictConfig, out: Path, changes: dict) -> float:
 def _resumed(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
 
+    from runner.config.resume import resumed_config, run_folder
     from runner.errors import ConfigError
-    from runner.resume import resumed_config, run_folder
 
     hc = HydraConfig.get() if HydraConfig.initialized() else None
     if hc is not None and getattr(hc.mode, "name", None) == "MULTIRUN":

@@ -55,7 +55,7 @@ class UniqueOutputDir(Callback):
             config.hydra.sweep.dir = folder
             quoted = folder.replace("\\", "\\\\").replace("'", "\\'")
             config.hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
-        from runner.record import tensorboard_command
+        from runner.record.run_record import tensorboard_command
 
         print(f"[sweep] {folder}  ({tensorboard_command(Path(folder))})", flush=True)
 

@@ -122,12 +122,12 @@ def format_names(names: dict, width: int = 100) -> str:
 
 
 def _build_names(cfg) -> dict:
-    from runner.quiet import load_tensorflow
+    from runner.platform.quiet import load_tensorflow
 
     load_tensorflow()
     import keras
 
-    from runner.build import instantiate, make_network
+    from runner.run.build import instantiate, make_network
 
     keras.utils.set_random_seed(cfg.train.seed)
     data_cfg = cfg.data.copy()

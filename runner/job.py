@@ -29,7 +29,7 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
     sweep = hc.mode == RunMode.MULTIRUN
     status = {"overrides": list(hc.overrides.task)}
     _log_files_survive_a_full_disk()
-    from runner import isolate
+    from runner.platform import isolate
 
     if sweep and isolate.available():
         return isolate.run_in_child(lambda: _guarded(job, cfg, out, sweep, status),
@@ -60,7 +60,7 @@ def _guarded(job, cfg: DictConfig, out: Path, sweep: bool, status: dict) -> floa
             return _failed_value()
         sys.exit(err.exit_code)
     except Exception as err:
-        from runner.files import no_space, write_error
+        from runner.platform.files import no_space, write_error
 
         if no_space(err) and not full_errors():  # a write this runner does not make itself (Hydra's, TF's)
             failure = write_error(f"into {out}", err)

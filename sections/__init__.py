@@ -7,15 +7,16 @@ does not import TensorFlow.
 from importlib import import_module
 
 _EXPORTS = {
-    "Engine": "._engine", "ReplayMismatchError": "._engine", "BudgetExceededError": "._engine",
-    "SectionedModel": "._fit",
-    "WholeGraph": "._peers", "RecomputeGrad": "._peers",
-    # Network from ._keras: importing it sets Network.from_keras (sections._keras builds on sections._network).
-    "Network": "._keras", "Block": "._network", "from_keras": "._keras",
-    "Section": "._partition",
-    "Policy": "._policies", "Recompute": "._policies", "Store": "._policies", "Recreate": "._policies",
-    "Plan": "._planner", "plan_schedule": "._planner", "Schedule": "._schedule",
-    "compare_with_whole": "._verify", "to_keras": "._export",
+    "Engine": ".step.engine", "ReplayMismatchError": ".step.engine", "BudgetExceededError": ".step.engine",
+    "SectionedModel": ".step.fit",
+    "WholeGraph": ".step.peers", "RecomputeGrad": ".step.peers",
+    # Network from its Keras module: importing that sets Network.from_keras (it builds on sections.network.network).
+    "Network": ".network.keras_network", "Block": ".network.network", "from_keras": ".network.keras_network",
+    "Section": ".schedule.partition",
+    "Policy": ".schedule.policies", "Recompute": ".schedule.policies", "Store": ".schedule.policies",
+    "Recreate": ".schedule.policies",
+    "Plan": ".schedule.planner", "plan_schedule": ".schedule.planner", "Schedule": ".schedule.program",
+    "compare_with_whole": ".verify.verify", "to_keras": ".network.export",
     "POLICIES": ".rules", "STRATEGIES": ".rules", "parse_bytes": ".rules",
 }
 

@@ -10,14 +10,16 @@ import math
 import re
 from typing import Mapping, Sequence
 
-from ._policies import POLICIES as _REGISTRY
+from .schedule.policies import POLICIES as _REGISTRY
 
-#: Per-section policy names, from the registry in ``sections._policies`` (built in: re-run the forward in the
+#: Per-section policy names, from the registry in ``sections.schedule.policies`` (built in: re-run the forward in the
 #: backward, its input border kept; keep the forward's tape; drop the input border and re-create it from the
 #: nearest kept one, multi-level).
 POLICIES = tuple(_REGISTRY)
-#: Training strategies: this engine, or a baseline at the same partition.
-STRATEGIES = ("sectioned", "whole", "recompute_grad")
+#: The trainers a config can name (``_target_``) and their strategy: this engine, or a baseline at the same partition.
+TRAINERS = {"sections.Engine": "sectioned", "sections.WholeGraph": "whole", "sections.RecomputeGrad": "recompute_grad"}
+#: Training strategies (each trainer's ``strategy``).
+STRATEGIES = tuple(TRAINERS.values())
 
 
 

@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from runner import distribute  # noqa: E402
-from runner.schema import Config  # noqa: E402
+from runner.config.schema import Config  # noqa: E402
+from runner.platform import distribute  # noqa: E402
 
 
 def config(overrides: str, batch: str):

@@ -12,27 +12,22 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Lowest first. A module may import its own layer and the layers before it (in its package), never a later one.
+# A folder stands for every module in it.
 LAYERS = {
     "sections": [
-        ("plain", ["sections/rules.py", "sections/allocator.py", "sections/_policies.py", "sections/_schedule.py",
-                   "sections/_planner.py", "sections/_partition.py"]),
-        ("backend", ["sections/_structure.py", "sections/_memory.py", "sections/_relaxed.py", "sections/_replicas.py",
-                     "sections/_precision.py", "sections/_profile.py"]),
-        ("network", ["sections/_network.py", "sections/_keras.py"]),
-        ("step", ["sections/_compile.py", "sections/_base.py", "sections/_engine.py", "sections/_peers.py",
-                  "sections/_flops.py", "sections/_fit.py"]),
-        ("verify", ["sections/_verify.py", "sections/_export.py"]),
+        ("plain", ["sections/rules.py", "sections/allocator.py", "sections/schedule"]),
+        ("backend", ["sections/backend"]),
+        ("network", ["sections/network"]),
+        ("step", ["sections/step"]),
+        ("verify", ["sections/verify"]),
         ("facade", ["sections/__init__.py"]),
     ],
     "runner": [
         ("errors", ["runner/errors.py"]),
-        ("platform", ["runner/distribute.py", "runner/threads.py", "runner/quiet.py", "runner/isolate.py",
-                      "runner/lock.py", "runner/precision.py", "runner/sizes.py", "runner/files.py"]),
-        ("config", ["runner/schema.py", "runner/checks.py", "runner/overrides.py", "runner/direction.py",
-                    "runner/resume.py"]),
-        ("record", ["runner/record.py", "runner/tb.py"]),
-        ("run", ["runner/build.py", "runner/train.py", "runner/hooks.py", "runner/datafeed.py",
-                 "runner/checkpoint.py", "runner/finite.py", "runner/progress.py", "runner/export.py"]),
+        ("platform", ["runner/platform"]),
+        ("config", ["runner/config"]),
+        ("record", ["runner/record"]),
+        ("run", ["runner/run"]),
         ("front door", ["runner/__init__.py", "runner/__main__.py", "runner/app.py", "runner/help.py",
                         "runner/job.py", "runner/callbacks.py", "runner/report.py"]),
     ],
@@ -49,9 +44,14 @@ def _layer_of() -> dict[str, tuple[str, int, str]]:
     out = {}
     for package, layers in LAYERS.items():
         for index, (name, paths) in enumerate(layers):
-            for path in paths:
-                out[_module(Path(path))] = (package, index, name)
+            for path in _expand(paths):
+                out[_module(path)] = (package, index, name)
     return out
+
+
+def _expand(paths: list[str]) -> list[Path]:
+    return [p.relative_to(ROOT) if p.is_absolute() else p for entry in paths
+            for p in (sorted((ROOT / entry).rglob("*.py")) if (ROOT / entry).is_dir() else [Path(entry)])]
 
 
 def _module(path: Path) -> str:
@@ -75,7 +75,7 @@ def _imports(path: Path, source: str | None = None):
                 stem = ".".join(base + ([node.module] if node.module else []))
             else:
                 stem = node.module
-            for alias in node.names:  # `from . import rules` / `from runner import distribute` name modules
+            for alias in node.names:  # `from . import rules` / `from runner.platform import distribute` name modules
                 name = f"{stem}.{alias.name}"
                 yield (name if _is_module(name) else stem), node.lineno, id(node) in top
 
@@ -102,7 +102,7 @@ def _files(package: str) -> list[Path]:
 
 @pytest.mark.parametrize("package", list(LAYERS))
 def test_every_module_has_a_place_in_the_plan(package):
-    placed = {p for _, paths in LAYERS[package] for p in paths}
+    placed = {str(p) for _, paths in LAYERS[package] for p in _expand(paths)}
     missing = [str(p) for p in _files(package) if str(p) not in placed]
     gone = [p for p in placed if not (ROOT / p).exists()]
     assert not missing and not gone, (f"docs/ARCHITECTURE.md's plan (tests/test_architecture.py LAYERS) lacks "
@@ -140,6 +140,6 @@ def test_the_plain_layer_loads_no_tensorflow():
 
 def test_the_check_finds_an_upward_import():
     """The checker itself: a lazy relative import of a later layer is resolved and caught; a lower one is not."""
-    network = Path("sections/_network.py")
-    assert len(_upward(network, "def f():\n    from ._engine import Engine\n    from . import rules\n")) == 1
-    assert _upward(network, "from . import rules\nfrom ._structure import nbytes\n") == []
+    network = Path("sections/network/network.py")
+    assert len(_upward(network, "def f():\n    from ..step.engine import Engine\n    from .. import rules\n")) == 1
+    assert _upward(network, "from .. import rules\nfrom ..backend.structure import nbytes\n") == []

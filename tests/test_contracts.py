@@ -54,7 +54,7 @@ def _statements() -> list[ast.AST]:
     out, chunk = [], ""
     for line in CODE.splitlines():
         chunk += re.sub(r"\s+#.*$|^\s*#.*$", "", line) + "\n"
-        if chunk.count("(") + chunk.count("[") + chunk.count("{") > chunk.count(")") + chunk.count("]") + chunk.count("}"):
+        if sum(map(chunk.count, "([{")) > sum(map(chunk.count, ")]}")):
             continue
         text = re.sub(r"\)\s*->.*$", ")", chunk.strip(), flags=re.S)
         chunk = ""
@@ -94,15 +94,16 @@ def test_every_argument_is_documented(name):
 
 def test_documented_engine_methods_exist():
     methods = set()
-    for cls, path in [("Trainer", ROOT / "sections" / "_base.py"), ("Engine", None)]:
+    for cls, path in [("Trainer", ROOT / "sections" / "step" / "base.py"), ("Engine", None)]:
         node, _ = _definition(cls, path) if path else _definition(cls)
         methods |= {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
     called = set(re.findall(r"^engine\.(\w+)\(", CODE, re.M))
-    assert called and not called - methods, f"docs/CONTRACTS.md calls engine methods that do not exist: {called - methods}"
+    assert called and not called - methods, f"docs/CONTRACTS.md calls engine methods that do not exist: " \
+                                            f"{called - methods}"
 
 
 def test_documented_stats_keys_are_reported():
-    node, _ = _definition("Trainer", ROOT / "sections" / "_base.py")
+    node, _ = _definition("Trainer", ROOT / "sections" / "step" / "base.py")
     stats = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "_stats")
     reported = {c.value for c in ast.walk(stats) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
     shown = set(re.findall(r'stats\["(\w+)"\]', CODE))
@@ -121,9 +122,11 @@ def test_readme_config_defaults_are_the_yaml_s():
     from omegaconf import OmegaConf
 
     conf = ROOT / "conf"
-    yaml = {**OmegaConf.to_container(OmegaConf.load(conf / "config.yaml")),
-            **{f"engine.{k}": v for k, v in OmegaConf.to_container(OmegaConf.load(conf / "engine" / "default.yaml")).items()},
-            **{f"train.{k}": v for k, v in OmegaConf.to_container(OmegaConf.load(conf / "train" / "default.yaml")).items()}}
+    def load(path):
+        return OmegaConf.to_container(OmegaConf.load(conf / path))
+
+    yaml = {**load("config.yaml"), **{f"engine.{k}": v for k, v in load("engine/default.yaml").items()},
+            **{f"train.{k}": v for k, v in load("train/default.yaml").items()}}
     readme = (ROOT / "README.md").read_text()
     rows = re.findall(r"^\| `([\w.]+)` \| [^|]*(?:\\\|[^|]*)* \| ([^|]+) \|", readme, re.M)
     shown = {key: cell.strip().strip("`") for key, cell in rows if key in yaml}

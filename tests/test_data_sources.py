@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from models import data
-from runner import datafeed
+from runner.run import datafeed
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HYDRA_FULL_ERROR": ""}
@@ -416,7 +416,7 @@ def test_image_folder_with_augmentation_resumes_bit_identically_after_kill(tmp_p
 # ---------------------------------------------------------------- the contract's runnable example
 def test_the_documented_example_source_follows_the_contract(tmp_path):
     from docs.examples.stripes import Stripes, stripes
-    from runner.direction import direction_of
+    from runner.config.direction import direction_of
 
     source = stripes(size=8, test_size=10)
     assert isinstance(source, Stripes) and direction_of("docs.examples.stripes.stripes") == "maximize"
@@ -434,8 +434,8 @@ def test_the_documented_example_source_follows_the_contract(tmp_path):
 
 def test_an_own_config_folder_joins_through_the_search_path():
     from runner.app import CONF
+    from runner.config.overrides import check_overrides
     from runner.errors import ConfigError
-    from runner.overrides import check_overrides
 
     own = f"hydra.searchpath=[file://{ROOT / 'docs' / 'examples' / 'conf'}]"
     check_overrides([own, "data=stripes", "data.size=12"], CONF)

@@ -18,10 +18,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from runner import distribute
 from runner.app import CONF
+from runner.config.schema import register
 from runner.errors import ConfigError
-from runner.schema import register
+from runner.platform import distribute
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "distribute_worker.py")
@@ -117,8 +117,8 @@ def test_the_chief_is_the_chief_task_else_worker_0_else_slurm_rank_0():
 
 
 def test_checks_do_not_import_tensorflow():
-    code = ("import sys; from omegaconf import OmegaConf; from runner import distribute; from runner.schema import "
-            "Config; cfg = OmegaConf.merge(OmegaConf.structured(Config), {'distribute': {'kind': 'multi_worker'}}); "
+    code = ("import sys; from omegaconf import OmegaConf; from runner.platform import distribute; "
+            "from runner.config.schema import Config; cfg = OmegaConf.merge(OmegaConf.structured(Config), {'distribute': {'kind': 'multi_worker'}}); "
             "print(distribute.check(cfg, {'TF_CONFIG': sys.argv[1]}).is_chief, 'tensorflow' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps({**TWO_WORKERS, "task": {"type": "worker"}})],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)

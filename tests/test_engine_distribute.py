@@ -10,7 +10,7 @@ import tensorflow as tf
 import keras
 
 from sections import Engine, Network, RecomputeGrad, WholeGraph
-from sections._replicas import DistributeError
+from sections.backend.replicas import DistributeError
 from engine_nets import hard_network, loss_fn, make_batch
 from test_engine_v2 import plain_loop  # a user's single-device loop: layers built by their first call
 

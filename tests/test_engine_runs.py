@@ -81,7 +81,7 @@ def test_recompute_peak_is_well_under_whole_graph_peak():
 
 def test_each_border_is_freed_once_its_section_is_done(monkeypatch):
     """Live memory before the backward of section k holds borders 0..k: one border less per section."""
-    from sections import _memory
+    from sections.backend import memory as _memory
 
     batch = make_batch(n=64, size=16, classes=10)
     engine = Engine(conv_stack(depth=8, filters=16), keras.optimizers.SGD(0.1), sections=9)

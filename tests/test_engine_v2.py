@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 from sections import Engine, Network, Schedule, Store, compare_with_whole
-from sections._policies import Recompute, Recreate
-from sections._schedule import count_forward_runs
+from sections.schedule.policies import Recompute, Recreate
+from sections.schedule.program import count_forward_runs
 from engine_nets import ConvBN, loss_fn
 
 

@@ -6,8 +6,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from runner.app import CONF
-from runner.checks import check_config
-from runner.schema import register
+from runner.config.checks import check_config
+from runner.config.schema import register
 
 
 def composed(*overrides):

@@ -267,8 +267,8 @@ def test_runner_smoke_run_reports_bits_per_char(tmp_path):
 def test_runner_reports_a_bad_text_path_as_one_config_error(tmp_path):
     from omegaconf import OmegaConf
 
-    from runner.build import instantiate
     from runner.errors import ConfigError
+    from runner.run.build import instantiate
 
     node = OmegaConf.create({"_target_": "models.data.text", "path": str(tmp_path / "nope.txt")})
     with pytest.raises(ConfigError, match="no such file or folder") as err:

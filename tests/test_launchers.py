@@ -15,7 +15,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from runner.app import CONF
-from runner.schema import register
+from runner.config.schema import register
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HYDRA_FULL_ERROR": ""}
@@ -66,7 +66,7 @@ def test_optuna_direction_follows_the_datas_metric(overrides, direction):
 
 
 def test_metric_direction_of_each_data_source():
-    from runner.direction import direction_of
+    from runner.config.direction import direction_of
 
     assert {name: direction_of(f"models.data.{name}") for name in ("digits", "mnist", "synthetic", "sequences",
                                                                    "text")} == {

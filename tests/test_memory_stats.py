@@ -80,7 +80,7 @@ def test_a_library_user_who_loaded_tensorflow_first_gets_one_warning():
         import warnings
         import tensorflow as tf, keras, numpy as np
         from sections import Engine, Network
-        from sections._memory import MemoryMeter
+        from sections.backend.memory import MemoryMeter
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             MemoryMeter(); MemoryMeter()
@@ -105,7 +105,7 @@ def test_a_library_user_who_loaded_tensorflow_first_gets_one_warning():
 
 @pytest.mark.parametrize("columns,bar", [(0, False), (80, True)])
 def test_progress_bar_needs_a_terminal_with_columns(monkeypatch, columns, bar):
-    from runner import progress
+    from runner.run import progress
 
     monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: True, raising=False)
     monkeypatch.setattr(progress.os, "get_terminal_size", lambda fd: os.terminal_size((columns, 24)))

@@ -14,7 +14,7 @@ import models  # noqa: F401 - registers the project's layers, as a user's script
 from models.mlp import build_mlp
 from models.resnet import build_resnet
 from runner.errors import ConfigError
-from runner.export import ModelFiles
+from runner.run.export import ModelFiles
 from sections import Network, to_keras
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from sections import Engine, parse_bytes, plan_schedule
-from sections._profile import BlockProfile
-from sections._schedule import count_forward_runs
+from sections.backend.profile import BlockProfile
+from sections.schedule.program import count_forward_runs
 from engine_nets import conv_stack, make_batch
 
 MiB = 2**20
@@ -130,7 +130,7 @@ def test_auto_sections_on_a_real_network_with_room_to_spare():
 def test_replans_when_the_first_measured_step_exceeds_the_prediction(monkeypatch):
     """Inject a wrong cost model (activations measured 20x too small): the first step's measured peak
     exceeds the prediction, the engine scales its costs by the measurement, re-plans and says so."""
-    from sections import _engine
+    from sections.step import engine as _engine
 
     real = _engine.profile_blocks
 
@@ -175,7 +175,7 @@ def test_a_step_over_the_prediction_but_inside_the_budget_keeps_its_plan_when_no
 def test_the_probe_runs_at_the_real_batch_unless_told(monkeypatch, probe_batch, expected):
     """The planner's per-block probe measures the real batch by default (scaling a small slice up missed
     fixed and batch-dependent costs by up to 16% on the notebook ResNet); ``probe_batch`` asks for a slice."""
-    from sections import _engine
+    from sections.step import engine as _engine
 
     seen = []
     real = _engine.profile_blocks
@@ -216,7 +216,7 @@ def test_every_step_is_checked_against_the_budget(monkeypatch):
 
 def test_corrections_of_the_cost_model_are_bounded(monkeypatch):
     from sections import BudgetExceededError
-    from sections._engine import MAX_REPLANS
+    from sections.step.engine import MAX_REPLANS
 
     engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
     engine.build(make_batch(n=32, size=8, classes=10))

@@ -1,4 +1,4 @@
-"""runner.checkpoint in-process: seed states saved, only finite state saved, broken checkpoints skipped,
+"""runner.run.checkpoint in-process: seed states saved, only finite state saved, broken checkpoints skipped,
 leftover `_temp` folders removed, a failed write reported in one line."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import keras  # noqa: E402
 
 from models import build_mlp  # noqa: E402
 from models.data import synthetic  # noqa: E402
-from runner.checkpoint import Checkpoints, CheckpointWriteError  # noqa: E402
 from runner.errors import ConfigError  # noqa: E402
+from runner.run.checkpoint import Checkpoints, CheckpointWriteError  # noqa: E402
 from sections import Engine  # noqa: E402
 
 
@@ -174,7 +174,7 @@ def test_a_checkpoint_from_before_seed_states_still_resumes(tmp_path, caplog):
 def test_resume_runs_the_learning_rate_config_yaml_records(tmp_path, caplog):
     """An earlier resume changed the rate and was killed before saving: config.yaml has the new rate, the
     checkpoint the old one. The config's value is applied, and said so once."""
-    from runner.resume import apply_optimizer_changes
+    from runner.config.resume import apply_optimizer_changes
 
     engine, batches, ckpt = _setup(tmp_path / "checkpoints")  # Adam 1e-2
     engine.train_step(next(batches))

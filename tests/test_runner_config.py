@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from runner.app import CONF
 from runner.callbacks import claim_folder
-from runner.schema import register
+from runner.config.schema import register
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HYDRA_FULL_ERROR": ""}
@@ -148,8 +148,8 @@ def test_bad_input_exits_with_one_line_naming_the_key(args, message, tmp_path):
 ])
 def test_deleting_a_needed_key_is_refused_before_composing(args, message):
     """`~key` has no `=`; a required key deleted used to reach Hydra or the run and end in a traceback."""
+    from runner.config.overrides import check_overrides
     from runner.errors import ConfigError
-    from runner.overrides import check_overrides
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_overrides(args, CONF)

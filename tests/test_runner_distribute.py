@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from runner.app import run
-from runner.schema import register
+from runner.config.schema import register
 from test_distribute_config import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,8 +21,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from runner.app import CONF
+from runner.config.schema import register
 from runner.errors import ConfigError, RunnerError
-from runner.schema import register
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HYDRA_FULL_ERROR": ""}
@@ -107,13 +107,13 @@ def test_nan_weights_under_a_finite_loss_stop_the_run_naming_step_and_variable(t
 # 2. One writer per run folder -----------------------------------------------------------------------------------
 
 def _lock_of(pid: int) -> str:
-    from runner.lock import _start_ticks
+    from runner.platform.lock import _start_ticks
 
     return json.dumps({"pid": pid, "host": platform.node(), "started": "then", "start_ticks": _start_ticks(pid)})
 
 
 def test_the_lock_refuses_a_live_holder_takes_over_a_dead_one_and_is_released(tmp_path):
-    from runner.lock import LOCK, FolderLocked, holding
+    from runner.platform.lock import LOCK, FolderLocked, holding
 
     live = subprocess.Popen(["sleep", "60"])
     dead = subprocess.Popen(["true"])
@@ -201,8 +201,8 @@ def _saved(tmp_path, optimizer: dict, model: dict | None = None) -> Path:
 
 
 def test_resume_overrides_are_judged_against_the_runs_own_groups(tmp_path):
-    from runner.overrides import check_overrides
-    from runner.resume import resume_arguments
+    from runner.config.overrides import check_overrides
+    from runner.config.resume import resume_arguments
 
     folder = _saved(tmp_path, {"_target_": "keras.optimizers.SGD", "learning_rate": 0.1, "momentum": 0.9})
     args = [f"resume={folder}", "optimizer.momentum=0.5", "model.hidden=[8]", "train.steps=4"]
@@ -216,7 +216,7 @@ def test_resume_overrides_are_judged_against_the_runs_own_groups(tmp_path):
 
 
 def test_a_config_yaml_that_is_not_utf8_is_one_line_on_resume(tmp_path):
-    from runner.resume import resume_arguments
+    from runner.config.resume import resume_arguments
 
     folder = _saved(tmp_path, {"_target_": "keras.optimizers.SGD"})
     (folder / "config.yaml").write_bytes(b"model:\n  hidden: \xff\xfe\x00[8]\n")
@@ -232,7 +232,7 @@ def _checkpoints(directory, keep):
 
     from models import build_mlp
     from models.data import synthetic
-    from runner.checkpoint import Checkpoints
+    from runner.run.checkpoint import Checkpoints
     from sections import Engine
 
     keras.utils.set_random_seed(0)
@@ -294,13 +294,13 @@ def test_a_full_disk_while_writing_events_is_one_line_and_keeps_what_was_written
 @pytest.mark.slow  # ~6 s; a full disk stays fast through the event-file case
 
 def test_a_full_disk_while_rewriting_config_yaml_keeps_the_old_one(tmp_path, monkeypatch, capsys):
-    import runner.files
+    import runner.platform.files
 
     out = tmp_path / "run"
     _, code = run_in_process(out, "train.steps=2")
     assert code is None
     before = (out / "config.yaml").read_text()
-    write = runner.files._write
+    write = runner.platform.files._write
 
     def filling(path, text):
         if Path(path).name.startswith(".config.yaml"):
@@ -308,7 +308,7 @@ def test_a_full_disk_while_rewriting_config_yaml_keeps_the_old_one(tmp_path, mon
             raise OSError(errno.ENOSPC, "No space left on device")
         write(path, text)
 
-    monkeypatch.setattr(runner.files, "_write", filling)
+    monkeypatch.setattr(runner.platform.files, "_write", filling)
     capsys.readouterr()
     _, code = run_in_process(tmp_path / "hydra", f"resume={out}", "train.steps=4", "optimizer.learning_rate=0.002")
     err = capsys.readouterr().err
@@ -316,7 +316,7 @@ def test_a_full_disk_while_rewriting_config_yaml_keeps_the_old_one(tmp_path, mon
                                          f"stopped, files written before it kept"), err
     assert (out / "config.yaml").read_text() == before and not list(out.glob(".*partial"))
     assert not (out / "run.lock").exists()
-    monkeypatch.setattr(runner.files, "_write", write)
+    monkeypatch.setattr(runner.platform.files, "_write", write)
     _, code = run_in_process(tmp_path / "hydra", f"resume={out}", "train.steps=4", "optimizer.learning_rate=0.002")
     assert code is None and "learning_rate: 0.002" in (out / "config.yaml").read_text()
     assert json.loads((out / "metrics.json").read_text())["step"] == 4
@@ -326,7 +326,7 @@ def test_a_full_disk_while_rewriting_config_yaml_keeps_the_old_one(tmp_path, mon
 def test_an_interrupted_event_file_trim_is_recovered_and_a_full_one_is_one_line(tmp_path, monkeypatch):
     import tensorflow as tf
 
-    from runner.tb import truncate_after
+    from runner.record.tb import truncate_after
 
     out = tmp_path / "run"
     _, code = run_in_process(out, "train.steps=4")
@@ -371,7 +371,7 @@ def test_an_interrupted_event_file_trim_is_recovered_and_a_full_one_is_one_line(
 # 7. Impossible sizes --------------------------------------------------------------------------------------------
 
 def test_a_batch_larger_than_memory_is_refused_before_allocation(tmp_path, capsys):
-    from runner.sizes import machine_memory
+    from runner.platform.sizes import machine_memory
 
     memory, example = machine_memory(), 28 * 28 * 4 + 4  # a 28x28x1 float32 image and an int32 label
     _, code = run_in_process(tmp_path / "run", "batch=1000000000")  # the examples alone do not fit
@@ -402,7 +402,7 @@ def test_a_batch_larger_than_memory_is_refused_before_allocation(tmp_path, capsy
                                   "sections=[logits]: give sections=auto, or engine.memory_budget=null"),
 ])
 def test_small_config_checks_are_one_line(override, message, tmp_path):
-    from runner.checks import check_config
+    from runner.config.checks import check_config
 
     optimizer = ["optimizer=adamw"] if "weight_decay" in override else []
     cfg = composed(tmp_path, *optimizer, override)
@@ -463,7 +463,7 @@ def test_a_log_file_on_a_full_disk_warns_once(tmp_path, capsys):
 def test_a_sweep_job_whose_process_dies_is_recorded_with_the_cause(tmp_path):
     import signal
 
-    from runner.isolate import run_in_child
+    from runner.platform.isolate import run_in_child
 
     recorded = []
     assert run_in_child(lambda: 0.25, recorded.append, "job 0") == 0.25 and recorded == []

@@ -16,10 +16,10 @@ import keras  # noqa: E402
 from models import build_mlp  # noqa: E402
 from models.data import synthetic  # noqa: E402
 from runner.app import CONF, run  # noqa: E402
-from runner.checkpoint import Checkpoints  # noqa: E402
-from runner.checks import check_config  # noqa: E402
+from runner.config.checks import check_config  # noqa: E402
+from runner.config.schema import register  # noqa: E402
 from runner.errors import ConfigError  # noqa: E402
-from runner.schema import register  # noqa: E402
+from runner.run.checkpoint import Checkpoints  # noqa: E402
 from sections import Engine  # noqa: E402
 
 TINY = ["model=mlp", "model.hidden=[8]", "data=synthetic", "data.train_size=64", "data.test_size=32",

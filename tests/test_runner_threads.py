@@ -8,7 +8,7 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     from runner.errors import ConfigError
-    from runner.threads import set_inter_op_threads
+    from runner.platform.threads import set_inter_op_threads
     import tensorflow as tf
 
     set_inter_op_threads(1)

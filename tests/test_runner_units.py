@@ -8,9 +8,9 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
+from runner.config.resume import differences, resumed_config
 from runner.errors import ConfigError
-from runner.quiet import filtered
-from runner.resume import differences, resumed_config
+from runner.platform.quiet import filtered
 
 CAPTURED = """WARNING: All log messages before absl::InitializeLog() is called are written to STDERR
 I0000 00:00:1795356903.290916    5908 port.cc:153] oneDNN custom operations are on.
@@ -91,7 +91,7 @@ def test_differences_ignore_the_resume_key():
 def test_non_finite_gradient_error_is_not_exact(monkeypatch):
     import sections
 
-    from runner.train import verify_exact
+    from runner.run.train import verify_exact
 
     report = {"exact": True, "gradient_rel_error": math.nan, "state_max_abs_diff": 0.0, "worst_variable": "w"}
     monkeypatch.setattr(sections, "compare_with_whole", lambda engine, batch, examples: report)

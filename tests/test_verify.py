@@ -52,7 +52,7 @@ def test_exact_steps_read_exact_with_biases_before_batch_norm(trainer, sections)
 
 
 def test_a_wrong_step_reads_not_exact_and_the_runner_says_so(caplog):
-    from runner.train import verify_exact
+    from runner.run.train import verify_exact
 
     net = Network.from_keras(biased_before_batch_norm(), xent, inputs="image")
     engine = Engine(net, keras.optimizers.Adam(1e-3), sections=["r1", "bn2"],

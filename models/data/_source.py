@@ -37,7 +37,7 @@ class ImageSource:
     """
 
     metric = "accuracy"
-    metric_direction = "maximize"  # higher is better (runner.direction: what a sweep optimizes)
+    metric_direction = "maximize"  # higher is better (runner.config.direction: what a sweep optimizes)
 
     def __init__(self, name: str, train, test, scale: float = 1.0, max_shift: int = 0,
                  num_classes: int | None = None):

@@ -178,7 +178,7 @@ class StreamSource:
     """
 
     metric = "accuracy"
-    metric_direction = "maximize"  # higher is better (runner.direction: what a sweep optimizes)
+    metric_direction = "maximize"  # higher is better (runner.config.direction: what a sweep optimizes)
 
     def __init__(self, name: str, image_shape, num_classes: int, train_size: int | None, test_size: int | None,
                  rescale: float = 1.0, augment=(), max_value: float = 255.0, info: dict | None = None,

@@ -43,7 +43,7 @@ class SequenceSource:
     """
 
     metric = "accuracy"
-    metric_direction = "maximize"  # higher is better (runner.direction: what a sweep optimizes)
+    metric_direction = "maximize"  # higher is better (runner.config.direction: what a sweep optimizes)
 
     def __init__(self, name: str, num_symbols: int, source_buckets, target_buckets,
                  vary_lengths: bool = True, eval_size: int = 2048):

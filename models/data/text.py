@@ -116,7 +116,7 @@ class TextSource:
     """
 
     metric = "bits_per_char"
-    metric_direction = "minimize"  # lower is better (runner.direction: what a sweep optimizes)
+    metric_direction = "minimize"  # lower is better (runner.config.direction: what a sweep optimizes)
 
     def __init__(self, name: str, text: str, seq_len: int = 128, valid_fraction: float = 0.1,
                  eval_chars: int | None = None, origin: str = ""):

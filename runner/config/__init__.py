@@ -1,0 +1,3 @@
+"""The config: its typed schema (defaults read from conf/), checks before anything heavy loads, overrides, resumed
+configs.
+"""

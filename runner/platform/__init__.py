@@ -1,0 +1,3 @@
+"""The machine: strategies and clusters, threads, quiet TensorFlow, job isolation, folder locks, the dtype policy,
+memory, atomic files.
+"""

@@ -1,0 +1,1 @@
+"""The run folder's record: header, config, metrics, TensorBoard."""

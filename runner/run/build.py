@@ -1,0 +1,131 @@
+"""From a checked config to live objects: data, network, optimizer and engine, from a clean Keras state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.errors import ConfigError, apply_rule
+from runner.platform.precision import set_precision, wrap_optimizer
+from sections import rules
+
+
+@dataclass
+class Setup:
+    data: Any
+    engine: Any
+    sections: Any  # the resolved `sections` handed to the engine
+    probe: dict  # one training batch, from its own iterator, used to build the engine
+    strategy: Any = None  # the tf.distribute strategy (None: one device)
+
+
+def build(cfg: DictConfig, strategy=None) -> Setup:
+    """Under a strategy, the network and optimizer are made in its scope and the engine runs on its replicas."""
+    import contextlib
+
+    import keras
+    import tensorflow as tf
+
+    keras.backend.clear_session()  # also resets the dtype policy: set this run's after it
+    set_precision(cfg.train.precision)
+    keras.utils.set_random_seed(cfg.train.seed)
+    if cfg.train.deterministic:
+        tf.config.experimental.enable_op_determinism()
+
+    data = instantiate(cfg.data, "data")
+    spec = getattr(data.train_batches(cfg.batch, cfg.train.seed), "element_spec", None)  # lazy: nothing allocated
+    _check_batch_fits(cfg, spec)  # the examples alone, before the network exists
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        network = make_network(cfg, data)
+        _check_batch_fits(cfg, spec, network)  # with the blocks' outputs, before the first batch is made
+        sections = resolve_sections(cfg)
+        check_boundaries(sections, network)
+        optimizer = wrap_optimizer(instantiate(cfg.optimizer, "optimizer"), cfg.train.precision)
+
+    engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
+    from runner.run.datafeed import next_batch
+
+    probe = next_batch(iter(data.train_batches(cfg.batch, cfg.train.seed)))
+    try:
+        engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections,
+                             _convert_="all",  # a plain list of boundary names, not a ListConfig
+                             **({"distribute": strategy} if strategy is not None else {}))
+        engine.build(probe)
+    except ValueError as err:
+        raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
+    return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy)
+
+
+def make_network(cfg: DictConfig, data):
+    """The model config's builder, given the data's `model_args`. A key the model config sets itself (keras_app's
+    input_shape) wins; the builder sees the data's as `data_args`. `default_sections` is not a builder argument."""
+    model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
+    data_args = dict(getattr(data, "model_args", {}) or {})
+    own = {k: data_args.pop(k) for k in list(data_args) if model_cfg.get(k) is not None}
+    return instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
+
+
+def _check_batch_fits(cfg: DictConfig, spec, network=None) -> None:
+    """Refuse a batch that the machine's memory cannot hold, before it is allocated."""
+    from runner.platform.sizes import activation_bytes, check_batch_fits
+
+    if isinstance(spec, dict):
+        check_batch_fits(cfg.batch, spec, activation_bytes(network, spec) if network is not None else None)
+
+
+def resolve_sections(cfg: DictConfig):
+    """Top-level `sections`, else the model's `default_sections`, else 1."""
+    value = cfg.sections if cfg.sections is not None else cfg.model.get("default_sections", 1)
+    return OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
+
+
+def check_boundaries(sections, network) -> None:
+    """Sections that cannot exist for this network (too many, or boundaries it does not have), by the engine's
+    own rules, worded for the config. Other answers (order, repeats) come from the engine when it is built."""
+    block_names = network.block_names
+    groups = list(dict.fromkeys(name.split("/", 1)[0] for name in block_names))
+
+    def unknown_boundary(unknown):
+        example = next((n for n in block_names if "/" in n), block_names[0])
+        return (f"unknown boundary name(s) {', '.join(unknown)}; allowed: {', '.join(groups)}, or a block name "
+                f"such as {example}")
+
+    def too_many(num_blocks):
+        names = rules.name_list(groups, getattr(network, "names_hint", "see the model"))
+        return f"this model has {num_blocks} blocks; allowed: 1 to {num_blocks}, or boundary names{names}"
+
+    if isinstance(sections, int):
+        apply_rule("sections", sections, rules.check_section_count, sections, len(block_names), block_names,
+                   wording={"more_sections_than_blocks": too_many})
+    if isinstance(sections, list):
+        try:
+            network.boundary_starts(sections)
+        except rules.RuleError as err:
+            if err.rule == "unknown_boundary":
+                raise ConfigError("sections", sections, unknown_boundary(**err.facts)) from err
+            if err.rule == "not_a_cut":  # a Keras model's own reason: no such layer, or merged into a block
+                raise ConfigError("sections", sections, str(err)) from err
+        except ValueError:
+            pass
+
+
+def instantiate(node: DictConfig, group: str, **kwargs):
+    """`hydra.utils.instantiate`, with a failure reported as a ConfigError naming the group."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ValueError) and group == "engine":
+            raise cause from err  # the engine's own one-line answer (bad sections, policy or budget)
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else str(err)
+        why = " ".join(line.strip() for line in why.splitlines() if line.strip())
+        raise ConfigError(f"{group}._target_", node.get("_target_"), f"cannot build it: {why}") from err
+
+
+def _brief(args: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in args.items())

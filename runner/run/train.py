@@ -1,0 +1,201 @@
+"""The training loop: one loop of steps with hooks around it (`runner.run.hooks`: profiler, NaN stop, telemetry,
+progress, evaluation, checkpoints, signals), then the run's figures in `metrics.json`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from runner.errors import ConfigError, RunnerError
+from runner.run.build import Setup
+from runner.run.hooks import (Checkpointing, Evaluation, FiniteStop, Hooks, Profiler, ProgressHook, SignalStop,
+                              Telemetry)
+from runner.run.progress import Progress
+from sections.rules import human_bytes
+
+log = logging.getLogger("runner")
+
+
+def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, restore_from: Path | None = None) -> float:
+    """Train `cfg.train.steps` steps (continuing `cfg.resume`, whose folder is `out`); returns the eval metric.
+    `restore_from`: where a resumed run's checkpoints are read, when not `out/checkpoints` (another worker)."""
+    from runner.config.resume import apply_optimizer_changes
+    from runner.record.run_record import RunRecord
+    from runner.run import datafeed
+    from runner.run.checkpoint import Checkpoints
+    from runner.run.export import ModelFiles
+
+    engine, data, train, changes = setup.engine, setup.data, cfg.train, changes or {}
+    batches = datafeed.train_iterator(data, cfg.batch, train.seed, setup.strategy)
+    checkpoints = Checkpoints(out / "checkpoints", engine, batches, train.keep_checkpoints)
+    start = 0
+    if cfg.resume:
+        start, restored = checkpoints.restore(restore_from)
+        if start >= train.steps:
+            raise ConfigError("train.steps", train.steps, f"must exceed the resumed run's step {start} "
+                              f"(give train.steps=<more>)")
+
+    hydra = HydraConfig.get() if HydraConfig.initialized() else None
+    overrides = list(hydra.overrides.task) if hydra else []
+    record = RunRecord(out, cfg, setup, overrides, sweep=_in_sweep(), start_step=start)
+    try:
+        record.start(changes)
+        datafeed.write_record(out, data)
+        if start:
+            log.info(f"resumed from {restored} at step {start}")
+            apply_optimizer_changes(engine.optimizer, changes, cfg.optimizer)
+        exactness = verify_exact(engine, setup.probe) if train.verify_exact else {}
+        if exactness:
+            record.exactness(exactness)
+
+        eval_batch = train.eval_batch or cfg.batch
+        progress = Progress(train.steps, start, train.progress, train.log_every)
+        telemetry = Telemetry(record.board, cfg.batch)
+        model_files = ModelFiles(out, engine, data, setup.probe, train.get("save_model", True))
+        evaluation = Evaluation(lambda: evaluate(engine, data, eval_batch), train.eval_every, train.steps,
+                                record.board, progress, then=model_files.evaluated)
+        hooks = Hooks([Profiler(train.get("profile_steps"), out),
+                       FiniteStop(engine.network.variables, checkpoints),
+                       telemetry, ProgressHook(progress, cfg.batch), evaluation,
+                       Checkpointing(checkpoints, train.checkpoint_every, train.steps),
+                       SignalStop(checkpoints, train.checkpoint_every, train.steps, out)])
+        step = _loop(engine, batches, hooks, start, train.steps)
+        model_files.final(step)
+        history, results = telemetry.history, evaluation.results
+        metrics = {**describe_setup(engine, cfg.batch), **exactness,
+                   **summarize(history, results, data, cfg.batch, step)}
+        if datafeed.record(data):
+            metrics["data"] = datafeed.record(data)
+        flops = record.flops
+        if flops:
+            metrics["flops_per_section"] = flops
+            metrics["rerun_flops"] = sum((runs - 1) * f["forward"]
+                                         for runs, f in zip(metrics["forward_runs_per_section"], flops))
+        record.finish(step, metrics)
+    except BaseException:
+        record.close(quietly=True)  # the first failure is the one reported
+        raise
+    record.close()
+    return metrics[metrics["metric"]]
+
+
+def _loop(engine, batches, hooks: Hooks, start: int, steps: int) -> int:
+    """Steps `start + 1 .. steps`, the hooks around each; returns the last step run."""
+    from sections import BudgetExceededError, ReplayMismatchError
+
+    from runner.run import datafeed
+
+    step = start
+    hooks.on_train_begin()
+    try:
+        for step in range(start + 1, steps + 1):
+            batch = datafeed.next_batch(batches)
+            hooks.on_step_begin(step)
+            began = time.perf_counter()
+            try:
+                stats = engine.train_step(batch)
+            except (ReplayMismatchError, BudgetExceededError) as err:
+                raise RunnerError(f"step {step}: {err}") from err
+            hooks.on_step_end(step, stats, time.perf_counter() - began)
+    finally:
+        hooks.on_train_end()
+    return step
+
+
+def verify_exact(engine, batch, examples: int = 64) -> dict:
+    """Does one step of this engine equal one ordinary whole-graph step? (State is restored afterwards.)"""
+    from sections import compare_with_whole
+
+    report = compare_with_whole(engine, batch, examples=examples)
+    errors = (report["gradient_rel_error"], report["state_max_abs_diff"])
+    exact = bool(report["exact"]) and all(math.isfinite(e) for e in errors)  # NaN gradients equal nothing
+    verdict = "equals" if exact else "DIFFERS FROM"
+    strategy = getattr(engine, "strategy", type(engine).__name__)
+    allowed = report.get("tolerance", math.nan)
+    log.info(f"exactness: one {strategy} step {verdict} a whole-graph step on {examples} examples "
+             f"(gradient relative error {report['gradient_rel_error']:.2g} over all variables, allowed "
+             f"{allowed:.2g}: the whole step's own rounding sensitivity is "
+             f"{report.get('sensitivity', math.nan):.2g}; "
+             f"state max |difference| {report['state_max_abs_diff']:.2g}; worst variable: "
+             f"{report['worst_variable'] or '-'})")
+    return {"exact": exact, "exact_gradient_rel_error": report["gradient_rel_error"],
+            "exact_tolerance": allowed, "exact_sensitivity": report.get("sensitivity", math.nan),
+            "exact_state_max_abs_diff": report["state_max_abs_diff"],
+            "exact_worst_variable": report["worst_variable"]}
+
+
+def describe_setup(engine, batch: int) -> dict:
+    """What was trained and how: for reports that compare runs."""
+    from runner.platform import distribute
+
+    strategy = getattr(getattr(engine, "replicas", None), "strategy", None)
+    info = {
+        "strategy": getattr(engine, "strategy", type(engine).__name__),
+        "batch": batch,
+        **distribute.summary(strategy),
+        "num_sections": len(engine.sections),
+        "section_blocks": [len(s.block_names) for s in engine.sections],
+        "policies": [s.policy for s in engine.sections],
+        "num_blocks": len(engine.network.blocks),
+        "memory_measured": bool(getattr(getattr(engine, "meter", None), "available", False)),
+    }
+    if getattr(engine, "plan", None) is not None:
+        info.update(memory_budget_bytes=engine.plan.budget, predicted_peak_bytes=engine.plan.predicted_peak)
+    return info
+
+
+def evaluate(engine, data, batch_size: int) -> dict:
+    """Example-weighted means of `engine.evaluate` over one pass of the eval split."""
+    from runner.run.datafeed import checked
+
+    totals, count = {}, 0
+    for batch in checked(data.eval_batches(batch_size)):
+        size = int(next(iter(batch.values())).shape[0])
+        for key, value in engine.evaluate(batch).items():
+            totals[key] = totals.get(key, 0.0) + float(value) * size
+        count += size
+    return {key: total / count for key, total in totals.items()}
+
+
+def summarize(history: list, results: dict, data, batch: int, step: int) -> dict:
+    """The final figures: losses, eval metric, median step time, throughput, memory and forward runs per section."""
+    timed = [seconds for _, seconds in history[1:]] or [seconds for _, seconds in history]
+    median = statistics.median(timed) if timed else float("nan")
+    last = history[-1][0] if history else {}
+    metric = getattr(data, "metric", None)
+    metric = metric if metric in results and metric != "loss" else "eval_loss"
+    metrics = {
+        "step": step,
+        "loss": last.get("loss"),
+        "eval_loss": results.get("loss"),
+        "metric": metric,
+        metric: results.get(metric, results.get("loss")),
+        **{k: v for k, v in results.items() if k not in ("loss", metric)},
+        "median_step_seconds": median,
+        "examples_per_second": batch / median if median else None,
+        "step_peak_bytes": max((s["step_peak_bytes"] for s, _ in history if s["step_peak_bytes"] is not None),
+                               default=None),
+        # Identical steps can differ by a large allocation or two (op order on several threads varies).
+        "median_step_peak_bytes": _median([s["step_peak_bytes"] for s, _ in history[1:] or history
+                                           if s["step_peak_bytes"] is not None]),
+        "peak_bytes_per_section": [max((v for v in col if v is not None), default=None)
+                                   for col in zip(*(s["peak_bytes"] for s, _ in history))],
+        "forward_runs_per_section": list(last.get("forward_runs", [])),
+    }
+    if metrics["step_peak_bytes"] is not None:
+        metrics["step_peak"] = human_bytes(metrics["step_peak_bytes"])
+    return metrics
+
+
+def _median(values: list):
+    return statistics.median(values) if values else None
+
+
+def _in_sweep() -> bool:
+    return HydraConfig.initialized() and getattr(HydraConfig.get().mode, "name", None) == "MULTIRUN"

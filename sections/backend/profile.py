@@ -1,0 +1,160 @@
+"""A probe of each block: border shapes (from a small slice), activation memory and forward time (at the
+real batch by default; figures from a smaller slice are scaled to it). Each block is compiled the way the
+engine compiles a section, so the memory measured is what a compiled backward keeps, not what an eager tape
+would."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import keras
+import tensorflow as tf
+
+from .memory import MemoryMeter
+from .relaxed import RelaxedFunction
+from .structure import float_leaves, nbytes
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One block's measured costs, at the real batch."""
+
+    name: str
+    output_bytes: int       # its output border
+    kept_bytes: int         # activations its compiled backward needs (a chain of blocks accumulates these)
+    transient_bytes: int    # gradient buffers alive only while its own backward runs
+    forward_seconds: float  # one compiled forward (the re-run cost)
+    stored_bytes: int = 0   # what a tape keeps from its compiled forward until its backward (policy "store")
+
+
+_NOT_ACTIVATIONS = {"Const", "ReadVariableOp", "Identity", "Placeholder", "VarHandleOp", "NoOp", "Shape",
+                    "AssignVariableOp", "AssignAddVariableOp", "StatelessRandomGetKeyCounter"}
+
+
+def shape_costs(network, small, real: int, input_specs, output_specs) -> list[int]:
+    """Activation bytes of each block counted from the tensor shapes of its traced forward (every float
+    tensor an op produces), at the real batch. Nothing runs, so this is the same on every run and machine."""
+    pb = int(tf.nest.flatten(small[network.inputs])[0].shape[0])
+    costs = []
+    for block, specs in zip(network.blocks, [input_specs, *output_specs[:-1]]):
+        specs = _real_specs(specs, pb)
+        fn = tf.function(lambda x, b=block: b(x, small, training=True))
+        total = 0
+        for op in fn.get_concrete_function(specs).graph.get_operations():
+            if op.type in _NOT_ACTIVATIONS:
+                continue
+            for t in op.outputs:
+                if t.dtype.is_floating and t.shape.is_fully_defined():
+                    total += t.shape.num_elements() * t.dtype.size
+        costs.append(total * real // pb)
+    return costs
+
+
+def _real_specs(structure, batch: int):
+    return tf.nest.map_structure(lambda t: tf.TensorSpec([batch] + t.shape.as_list()[1:], t.dtype), structure)
+
+
+def _block_functions(block, batch):
+    state = list(block.layer.non_trainable_variables)
+
+    def forward(h, snapshot):
+        with keras.StatelessScope(state_mapping=list(zip(state, snapshot))):
+            return block(h, batch, training=True)
+
+    def train(h, snapshot):
+        with tf.GradientTape() as tape:
+            xs = float_leaves(h)
+            tape.watch(xs)
+            with keras.StatelessScope(state_mapping=list(zip(state, snapshot))):
+                out = block(h, batch, training=True)
+        ys = float_leaves(out)
+        variables = [_first_component(v) for v in block.layer.trainable_variables]
+        if ys and (xs or variables):
+            return tape.gradient(ys, xs + variables, output_gradients=[tf.ones_like(y) for y in ys])
+        return []
+
+    return RelaxedFunction(forward, batch_args=(0,)), RelaxedFunction(train, batch_args=(0,))
+
+
+def _first_component(variable):
+    """Under a strategy (the probe runs in cross-replica context, reading the first replica's copies), the
+    first replica's copy of a mirrored variable: the one a gradient reaches."""
+    value = getattr(variable, "value", variable)
+    if isinstance(value, tf.distribute.DistributedValues):
+        return tf.distribute.get_strategy().experimental_local_results(value)[0]
+    return variable
+
+
+SPEC_BATCH = 64  # examples the shape and spec probes trace with (nothing they read depends on the batch size)
+
+
+def probe_slice(network, batch, probe_batch: int = SPEC_BATCH) -> tuple[dict, int]:
+    """The first ``probe_batch`` examples of a batch, and the real batch size."""
+    real = int(tf.nest.flatten(batch[network.inputs])[0].shape[0])
+    pb = max(1, min(probe_batch, real))
+    return tf.nest.map_structure(lambda t: t[:pb], dict(batch)), real
+
+
+def output_specs(network, small, real: int) -> tuple[list, object]:
+    """Each block's output TensorSpecs at the real batch, from one eager forward of the probe slice
+    (state untouched); and the network input's."""
+    mapping = [(v, tf.identity(v.value)) for v in network.non_trainable_variables]
+    h, specs = small[network.inputs], []
+    with keras.StatelessScope(state_mapping=mapping):
+        for block in network.blocks:
+            h = block(h, small, training=True)
+            specs.append(_real_specs(h, real))
+    return specs, _real_specs(small[network.inputs], real)
+
+
+def _measure(meter: MemoryMeter, fn, *args) -> int:
+    meter.reset()
+    base = meter.current()
+    result = fn(*args)
+    used = meter.peak() - base
+    del result
+    return used
+
+
+def profile_blocks(network, small, real: int, meter: MemoryMeter) -> list[BlockProfile]:
+    """Run each block compiled, forward and backward, on the probe slice ``small``, state untouched;
+    figures are scaled to the ``real`` batch size."""
+    pb = int(tf.nest.flatten(small[network.inputs])[0].shape[0])
+    scale = real / pb
+    profiles = []
+    h = small[network.inputs]
+    for block in network.blocks:
+        snapshot = [tf.identity(v.value) for v in block.layer.non_trainable_variables]
+        forward, train = _block_functions(block, small)
+        out = forward(pb, h, snapshot)
+        t0 = time.perf_counter()
+        out = forward(pb, h, snapshot)
+        tf.nest.map_structure(lambda t: t.numpy(), out)
+        seconds = (time.perf_counter() - t0) * scale
+        meter.reset()
+        base = meter.current()
+        with tf.GradientTape() as tape:
+            tape.watch(float_leaves(h))
+            kept_by_tape = forward(pb, h, snapshot)
+        stored = meter.current() - base
+        del tape, kept_by_tape
+        train(pb, h, snapshot)  # the first call pays for tracing and kernel setup
+        # The executor's op order (so the peak) varies call to call: plan for the larger of two.
+        used = max(_measure(meter, train, pb, h, snapshot) for _ in range(2))
+        in_bytes, out_bytes = nbytes(h), nbytes(out)
+        measured = meter.available and used > 0
+        # Besides its kept activations, a backward holds the upstream gradient, the input gradient and
+        # about one more temporary of the output's size.
+        transient = 2 * out_bytes + in_bytes
+        kept = max(used - transient, out_bytes) if measured else 2 * out_bytes
+        profiles.append(BlockProfile(
+            name=block.name,
+            output_bytes=nbytes(_real_specs(out, real)),
+            kept_bytes=int(kept * scale),
+            transient_bytes=int(transient * scale),
+            forward_seconds=seconds,
+            stored_bytes=int(max(stored, out_bytes) * scale) if measured else 4 * out_bytes * int(scale),
+        ))
+        h = out
+    return profiles

@@ -1,0 +1,228 @@
+"""What every trainer shares (the engine and the baselines): arguments, build, partition, evaluation, reports."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import tensorflow as tf
+
+from .. import rules
+from ..backend.memory import MemoryMeter
+from ..backend.precision import unscale
+from ..backend.profile import SPEC_BATCH, output_specs, probe_slice, shape_costs
+from ..backend.replicas import Replicas, local_size, scale_for_replicas
+from ..backend.structure import nbytes
+from ..network.network import Network, unique_variables
+from ..schedule.partition import Section, balanced_starts, format_table
+
+
+class Trainer:
+    """Base of ``Engine``, ``WholeGraph`` and ``RecomputeGrad``: the same arguments and public methods.
+
+    Subclasses set ``strategy`` and implement ``_settle`` (the partition), ``_compile`` and ``_step``.
+    """
+
+    strategy = "?"
+
+    def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
+                 policy="recompute", jit_compile: bool = False, memory_budget: int | str | None = None,
+                 probe_batch: int | None = None, device: str | None = None, distribute=None):
+        if not isinstance(network, Network):
+            raise ValueError(f"network must be a sections.Network; got {type(network).__name__}.")
+        if isinstance(sections, tuple):
+            sections = list(sections)
+        rules.check_sections_arg(sections, memory_budget)
+        self.memory_budget = rules.parse_bytes(memory_budget) if memory_budget is not None else None
+        if isinstance(sections, int):
+            rules.check_section_count(sections, len(network.blocks), network.block_names)
+        self.network = network
+        self.optimizer = optimizer
+        self.jit_compile = bool(jit_compile)
+        rules.check_probe_batch(probe_batch)
+        self.probe_batch = probe_batch
+        self.replicas = Replicas(distribute)
+        self.meter = MemoryMeter(device or self.replicas.devices() or None)
+        self._sections_arg = sections
+        self._starts = network.boundary_starts(sections) if isinstance(sections, list) else None
+        self.sections: list[Section] = []
+        self.plan = None
+        self._built = False
+
+    # ------------------------------------------------------------------ build
+    def build(self, batch: Mapping[str, tf.Tensor]) -> None:
+        """Create variables (without running anything: no state moves), settle the partition, build the optimizer.
+
+        Under a strategy ``batch`` is the global batch; variables are created in the strategy's scope and the
+        partition is settled for one replica's share of the batch (what each replica runs).
+        """
+        if self._built:
+            return
+        batch = _as_tensors(self.network, batch)
+        local = self.replicas.first_slice(dict(batch))
+        with self.replicas.scope():
+            self.network.build(local)
+            self._probe = probe_slice(self.network, local, SPEC_BATCH)
+            self._batch_bytes = nbytes(local)
+            self._output_specs, self._input_specs = output_specs(self.network, *self._probe)
+            starts, policies = self._settle(local)
+            self._make_sections(starts, policies)
+            self._trainable = self.network.trainable_variables
+            self._var_index = {id(v): i for i, v in enumerate(self._trainable)}
+            self.replicas.check_owned(self.network.variables, self.optimizer)
+            if not getattr(self.optimizer, "built", False):
+                self.optimizer.build(self._trainable)
+            self._counters = self._make_counters()
+        self._fields = [self.network.fields_for(s.start, s.stop, list(batch)) for s in self.sections]
+        self._evaluate = tf.function(self.replicas.wrap(self._evaluate_fn))
+        self._evaluate_here = tf.function(self._evaluate_fn)
+        self._compile()
+        self._built = True
+
+    def _make_counters(self) -> list[tf.Variable]:
+        # Under a strategy every replica increments its counter; the first replica's count is kept, so
+        # forward runs read per replica.
+        with self.replicas.scope():
+            return [tf.Variable(0, dtype=tf.int64, trainable=False,
+                                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA) for _ in self.sections]
+
+    def _balanced_starts(self, count: int) -> list[int]:
+        """``count`` sections balanced by activation bytes counted from tensor shapes (the same cut on every
+        run and machine, unlike measured memory)."""
+        if count == 1:
+            return []
+        self.shape_costs = shape_costs(self.network, *self._probe, self._input_specs, self._output_specs)
+        return balanced_starts(self.shape_costs, count)
+
+    def _make_sections(self, starts, policies) -> None:
+        blocks = self.network.blocks
+        bounds = [0, *starts, len(blocks)]
+        self.sections = []
+        for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            layers = [b.layer for b in blocks[lo:hi]]
+            in_specs = self._input_specs if lo == 0 else self._output_specs[lo - 1]
+            self.sections.append(Section(
+                index=k, start=lo, stop=hi, block_names=[b.name for b in blocks[lo:hi]], policy=policies[k],
+                variables=unique_variables(v for layer in layers for v in layer.trainable_variables),
+                state_variables=unique_variables(v for layer in layers for v in layer.non_trainable_variables),
+                input_bytes=nbytes(in_specs), input_specs=in_specs))
+
+    def _views(self, batch) -> list[dict]:
+        return [{key: batch[key] for key in fields} for fields in self._fields]
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, batch: Mapping[str, tf.Tensor]) -> dict:
+        """One training step; returns loss, forward runs per section, peak bytes per section and for the step
+        (under a strategy: ``batch`` is the global batch, forward runs are per replica, peaks are the largest
+        replica device's, and ``device_peak_bytes`` has each device's)."""
+        batch = _as_tensors(self.network, batch)
+        self.build(batch)
+        return self._step(self.replicas.split(dict(batch)))
+
+    def gradients(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, list]:
+        """Loss and gradients (aligned with ``network.trainable_variables``; None where a variable gets none),
+        computed as a step would, state updates included, but not applied. Both are unscaled: with a
+        ``LossScaleOptimizer`` the step differentiates the scaled loss and these are divided by the scale."""
+        batch = _as_tensors(self.network, batch)
+        self.build(batch)
+        loss, grads = self._gradients(self.replicas.split(dict(batch)))
+        self._read_counters()
+        if self.replicas.distributed:  # each replica's gradient of its scaled loss; their sum is the batch's
+            loss, grads = tf.constant(self.replicas.mean(loss)), [self.replicas.sum(g) for g in grads]
+        return loss, unscale(grads, self.optimizer)
+
+    def _stats(self, loss, device_peaks: dict, peaks: list | None = None) -> dict:
+        """A step's report: the loss averaged over replicas, forward runs, per-section and per-device peaks
+        (``None`` where the allocator keeps no statistics)."""
+        if not self.meter.available:  # nothing measured: never reported as 0 bytes
+            peaks, device_peaks = None, {d: None for d in device_peaks}
+        return {"loss": self.replicas.mean(loss), "forward_runs": self._read_counters(),
+                "peak_bytes": peaks if peaks is not None else [None] * len(self.sections),
+                "step_peak_bytes": max(device_peaks.values()) if self.meter.available else None,
+                "device_peak_bytes": device_peaks}
+
+    def _scale_loss(self, loss):
+        """The loss whose gradients a step applies: the optimizer's own scaling (a ``LossScaleOptimizer``'s
+        dynamic scale; its ``apply_gradients`` unscales), as Keras's ``train_step`` does."""
+        loss = scale_for_replicas(loss)
+        return self.optimizer.scale_loss(loss) if hasattr(self.optimizer, "scale_loss") else loss
+
+    def _read_counters(self) -> list[int]:
+        runs = [int(c.numpy()) for c in self._counters]
+        for c in self._counters:
+            c.assign(0)
+        return runs
+
+    def _evaluate_fn(self, batch):
+        out = self.network.forward(batch, training=False)
+        values = {"loss": self.network.loss(out, batch)}
+        for name, fn in self.network.metrics.items():
+            values[name] = fn(out, batch)
+        return values
+
+    def evaluate(self, batch: Mapping[str, tf.Tensor]) -> dict:
+        """Loss and metrics in inference mode (no state changes)."""
+        batch = _as_tensors(self.network, batch)
+        self.build(batch)
+        if self.replicas.distributed and local_size(batch, self.replicas) % self.replicas.count:
+            # A batch the replicas cannot share equally (an evaluation set's remainder) runs on one device.
+            return {k: float(v) for k, v in self._evaluate_here(dict(batch)).items()}
+        values = self._evaluate(self.replicas.split(dict(batch)))
+        return {k: self.replicas.mean(v) for k, v in values.items()}
+
+    # ------------------------------------------------------------------ reports
+    def _policy_label(self, section) -> str:
+        return self.strategy
+
+    def partition_rows(self) -> list[dict]:
+        """The partition as table rows (nothing is measured to make it)."""
+        self._require_built()
+        rows = []
+        for s in self.sections:
+            rows.append({
+                "section": s.index,
+                "blocks": _span(s.block_names),
+                "n_blocks": len(s.block_names),
+                "params": s.num_parameters,
+                "input_border": _fmt_specs(s.input_specs),
+                "border_bytes": rules.human_bytes(s.input_bytes),
+                "policy": self._policy_label(s),
+            })
+        return rows
+
+    def describe(self) -> str:
+        """The partition as a plain-text table (and the plan, when the planner made one)."""
+        table = format_table(self.partition_rows())
+        return table + ("\n" + self.plan.summary() if self.plan is not None else "")
+
+    def trace_counts(self) -> dict[str, int]:
+        """Traced graphs per compiled function (constant over steps of a fixed batch shape)."""
+        self._require_built()
+        return self._trace_counts()
+
+    def _require_built(self) -> None:
+        if not self._built:
+            raise RuntimeError("Not built yet: call build(batch) or train_step(batch) first.")
+
+
+def _as_tensors(network, batch) -> dict:
+    """The batch checked (a dict with every key the blocks read) and as tensors (NumPy arrays welcome)."""
+    network.check_batch(batch)
+    return {k: v if isinstance(v, (tf.Tensor, tf.distribute.DistributedValues)) else tf.nest.map_structure(
+        tf.convert_to_tensor, v) for k, v in batch.items()}
+
+
+def _span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+
+
+def _fmt_specs(specs) -> str:
+    leaves = tf.nest.flatten(specs)
+    text = ", ".join("x".join(str(d) for d in t.shape.as_list()) for t in leaves)
+    return text if len(leaves) == 1 else f"({text})"
+
+
+def add_gradients(a, b):
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0),
+                                a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)

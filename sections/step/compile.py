@@ -1,0 +1,147 @@
+"""The compiled pieces of one section: first forward, replayed forward, re-run backward, and the fused last section."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from ..backend.relaxed import RelaxedFunction
+from ..backend.replicas import Replicas, local_size
+from ..backend.structure import float_leaves
+
+
+class ReplayMismatchError(RuntimeError):
+    """A section's re-run forward differed from its first run (randomness the engine cannot replay)."""
+
+
+def _zeros_for_missing(ys, grads):
+    return [tf.zeros_like(y) if g is None else g for y, g in zip(ys, grads)]
+
+
+def max_relative_diff(a, b) -> tf.Tensor:
+    """max |a - b| / (1 + max |b|) over the leaves of two structures (used by check mode)."""
+    diffs = []
+    for x, y in zip(tf.nest.flatten(a), tf.nest.flatten(b)):
+        x = tf.cast(x, tf.float32)
+        y = tf.cast(y, tf.float32)
+        diffs.append(tf.reduce_max(tf.abs(x - y)) / (1.0 + tf.reduce_max(tf.abs(y))))
+    return tf.reduce_max(tf.stack(diffs)) if diffs else tf.constant(0.0)
+
+
+class SectionFunctions:
+    """The ``tf.function``s of one section.
+
+    ``counter`` is a ``tf.Variable`` incremented inside each compiled forward execution, so forward runs are
+    counted by the code that ran, not assumed. A section's first run in a step updates its state (batch-norm
+    statistics, seed generators) and returns a snapshot of the state before it; every later run reads that
+    snapshot and drops its state writes, so it computes exactly what the first run did.
+    """
+
+    def __init__(self, network, section, counter: tf.Variable, jit_compile: bool = False, tol: float = 1e-4,
+                 scale_loss=None, replicas=None):
+        self.network = network
+        self.replicas = replicas or Replicas()
+        # The loss the gradients are taken of (loss scaling for mixed precision, 1/replicas under a strategy).
+        self.scale_loss = scale_loss or (lambda loss: loss)
+        self.section = section
+        self.counter = counter
+        self.tol = tol
+        self.needs_input_grad = section.index > 0
+        batch_args = {"first": (0, 1), "replay": (0, 1), "rerun_backward": (0, 1, 2, 4), "fused": (0, 1)}
+        self._compiled = {name: RelaxedFunction(self.replicas.wrap(getattr(self, "_" + name)), jit_compile, args)
+                          for name, args in batch_args.items()}
+
+    def _call(self, name, h, *args):
+        return self._compiled[name](local_size(h, self.replicas), h, *args)
+
+    # ---------------------------------------------------------------- what policies call
+    def sources(self, h) -> list:
+        """The input's tensors that get a gradient (none for the first section: its input is data)."""
+        return float_leaves(h) if self.needs_input_grad else []
+
+    def forward(self, h, view, snapshot=None):
+        """Run the section: the first time in a step (``snapshot=None``) or a replay. Returns (output, snapshot)."""
+        if snapshot is None:
+            return self._call("first", h, view)
+        return self._call("replay", h, view, snapshot), snapshot
+
+    def rerun_backward(self, h, view, upstream, snapshot, expected=None):
+        """Re-run from the cached input and state, then a vector-Jacobian product."""
+        g_in, g_vars, diff = self._call("rerun_backward", h, view, upstream, snapshot, expected)
+        diff = self.replicas.max(diff) if expected is not None else 0.0
+        if diff > self.tol:
+            sec = self.section
+            raise ReplayMismatchError(
+                f"{sec.name} ({sec.block_names[0]}..{sec.block_names[-1]}): the re-run forward differs from "
+                f"the first run (max relative difference {diff:.3g} > {self.tol}). Randomness inside it is "
+                f"not replayable; draw it through a keras.random.SeedGenerator, or use policy='store' for it.")
+        return g_in, g_vars
+
+    def tape_backward(self, tape, h, out, upstream):
+        """Backward from a tape kept during the forward (no re-run). Under a strategy the tape recorded one
+        multi-device call: each replica's components (its variables' copies included) are differentiated and
+        packed back into per-replica values; on one device every value is its own single component."""
+        parts = self.replicas.components
+        xs, ys = self.sources(h), float_leaves(out)
+        up = [parts(g) if g is not None else [tf.zeros_like(c) for c in parts(y)] for y, g in zip(ys, upstream)]
+        sources = [parts(x) for x in xs] + [parts(v) for v in self.section.variables]
+        grads = tape.gradient([c for y in ys for c in parts(y)], [c for group in sources for c in group],
+                              output_gradients=[c for g in up for c in g])
+        packed, i = [], 0
+        for group in sources:
+            packed.append(self.replicas.pack(grads[i:i + len(group)]))
+            i += len(group)
+        return packed[: len(xs)], packed[len(xs):]
+
+    def watch(self, tape, h) -> None:
+        """Watch the input's gradient-carrying tensors (each replica's components under a strategy)."""
+        tape.watch([c for x in self.sources(h) for c in self.replicas.components(x)])
+
+    def fused(self, h, view):
+        """The last section: forward, loss and backward in one run. Returns (loss, input grads, variable grads)."""
+        return self._call("fused", h, view)
+
+    # ---------------------------------------------------------------- compiled bodies
+    def _run(self, h, batch):
+        self.counter.assign_add(1)
+        sec = self.section
+        return self.network.run_blocks(h, batch, True, sec.start, sec.stop)
+
+    def _replaying(self, snapshot):
+        # State reads come from the snapshot and state writes are dropped: batch-norm statistics update once
+        # per step, and seed generators replay the first run's random draws.
+        return keras.StatelessScope(state_mapping=list(zip(self.section.state_variables, snapshot)))
+
+    def _first(self, h, batch):
+        snapshot = [tf.identity(v.value) for v in self.section.state_variables]
+        with tf.control_dependencies(snapshot):
+            out = self._run(h, batch)
+        return out, snapshot
+
+    def _replay(self, h, batch, snapshot):
+        with self._replaying(snapshot):
+            return self._run(h, batch)
+
+    def _rerun_backward(self, h, batch, upstream, snapshot, expected):
+        with tf.GradientTape() as tape:
+            xs = self.sources(h)
+            tape.watch(xs)
+            with self._replaying(snapshot):
+                out = self._run(h, batch)
+        ys = float_leaves(out)
+        grads = tape.gradient(ys, xs + self.section.variables, output_gradients=_zeros_for_missing(ys, upstream))
+        diff = max_relative_diff(out, expected) if expected is not None else tf.constant(0.0)
+        return grads[: len(xs)], grads[len(xs):], diff
+
+    def _fused(self, h, batch):
+        with tf.GradientTape() as tape:
+            xs = self.sources(h)
+            tape.watch(xs)
+            out = self._run(h, batch)
+            loss = self.network.loss(out, batch)
+            scaled = self.scale_loss(loss)
+        grads = tape.gradient(scaled, xs + self.section.variables)
+        return loss, grads[: len(xs)], grads[len(xs):]
+
+    def trace_counts(self) -> dict[str, int]:
+        return {f"{self.section.name}/{k}": f.tracing_count() for k, f in self._compiled.items()}

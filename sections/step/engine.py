@@ -1,0 +1,349 @@
+"""The engine: a cached forward pass, then a section-wise backward pass from the last section to the first."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import tensorflow as tf
+
+from .. import rules
+from ..backend.profile import probe_slice, profile_blocks
+from ..backend.relaxed import RelaxedFunction
+from ..backend.replicas import local_size
+from ..backend.structure import nbytes
+from ..network.network import Network
+from ..schedule.planner import plan_schedule
+from ..schedule.policies import KEEP_INPUT, Recompute, resolve
+from ..schedule.program import FORWARD, HOLD, LOSS, RESUME, Schedule, kept_policy
+from .base import Trainer, add_gradients
+from .compile import ReplayMismatchError, SectionFunctions
+
+__all__ = ["Engine", "ReplayMismatchError", "BudgetExceededError"]
+log = logging.getLogger("sections")
+MAX_REPLANS = 3  # corrections of the cost model by measured steps before a step over the budget stops
+
+
+class BudgetExceededError(ValueError):
+    """A step's measured peak went over ``memory_budget`` and no plan with corrected costs fits it."""
+
+
+class Engine(Trainer):
+    """Trains a ``Network`` section by section, exactly like one whole-graph step.
+
+    Args:
+        network: the chain of blocks and its loss.
+        optimizer: a Keras 3 optimizer; applied once per step over all sections' gradients.
+        sections: an int (that many contiguous sections balanced by activation bytes counted from shapes),
+            a list of boundary names (where sections start), ``"auto"`` with ``memory_budget`` (the
+            planner picks boundaries, policies and which borders to keep), or a ``Schedule``.
+        policy: a policy name (``"recompute"``, ``"store"``, ``"recreate"``), a ``sections.Policy``, or one
+            per section.
+        jit_compile: compile the section functions with XLA.
+        check: compare each re-run's output with its first run and raise on a mismatch.
+        memory_budget: bytes (or a string like ``"2GiB"``) for ``sections="auto"``.
+        one_graph: compile the whole step (forward, every section's re-run and backward, the optimizer) into one
+            ``tf.function``, each re-run gated on the gradient from the section after it (so it cannot be hoisted
+            into the first forward) and replaying that section's state snapshot, as the sectioned cycle does.
+            Borders and upstream gradients are then graph intermediates the executor frees when spent, and it
+            may overlap independent work across sections. Every section ``recompute`` (no ``store``,
+            ``recreate`` or planner), no ``check``; ``peak_bytes`` per section reads ``None`` (only the step's
+            peak is measured).
+        probe_batch: examples the planner's per-block probe runs (``sections="auto"`` only); default: the real
+            batch (one replica's share), so its memory and time are measured, not scaled from a small slice.
+        device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
+            strategy, its replica devices).
+        distribute: a ``tf.distribute`` strategy (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``) to run
+            every section on each replica with its share of the global batch. Create the optimizer (and the
+            model, if you build it yourself) under ``strategy.scope()``; ``batch`` stays the global batch.
+
+    Example:
+        >>> engine = Engine(net, keras.optimizers.Adam(1e-3), sections=4)
+        >>> stats = engine.train_step(batch)
+        >>> stats["loss"], stats["forward_runs"], stats["peak_bytes"]
+    """
+
+    strategy = "sectioned"
+
+    def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
+                 policy="recompute", jit_compile: bool = False, check: bool = False,
+                 memory_budget: int | str | None = None, probe_batch: int | None = None, device: str | None = None,
+                 distribute=None, one_graph: bool = False):
+        fixed = sections if isinstance(sections, Schedule) else None
+        if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
+            sections, policy = fixed.num_sections, list(fixed.policies)
+        super().__init__(network, optimizer, sections, policy, jit_compile, memory_budget, probe_batch, device,
+                         distribute)
+        self.check = bool(check)
+        self.one_graph = bool(one_graph)
+        if self.one_graph and (check or sections == "auto" or fixed is not None):
+            raise ValueError("one_graph=True compiles a fixed recompute partition into one step: it takes no "
+                             "check mode, sections='auto' or Schedule.")
+        self._fixed = fixed
+        if sections != "auto":
+            count = sections if isinstance(sections, int) else len(sections) + 1
+            self._policies = [resolve(p) for p in rules.policies_for(policy, count)]
+            if self.one_graph and any(type(p) is not Recompute for p in self._policies):
+                raise ValueError(f"one_graph=True runs every section with policy 'recompute'; got "
+                                 f"{[p.name for p in self._policies]}.")
+        self.profiles = None
+        self.schedule: Schedule | None = None
+        self.replans: list[str] = []
+        self._activation_scale = 1.0  # the planner's activation costs times this: corrected by measured steps
+        self._plan_kept = False
+
+    # ------------------------------------------------------------------ partition
+    def _settle(self, batch):
+        if self._fixed is not None:
+            schedule = self._fixed
+        elif self._sections_arg == "auto":
+            if not self.meter.available:
+                from ..allocator import missing_statistics_advice
+
+                raise ValueError(f"sections='auto' plans on measured memory, but the allocator of "
+                                 f"{', '.join(self.meter.devices)} keeps no statistics: "
+                                 f"{missing_statistics_advice()}.")
+            real = self._probe[1]
+            small, _ = probe_slice(self.network, batch, self.probe_batch or real)
+            self.profiles = profile_blocks(self.network, small, real, self.meter)
+            self.plan = self._plan()
+            schedule = self.plan.schedule
+        else:
+            starts = self._starts if self._starts is not None else self._balanced_starts(self._sections_arg)
+            schedule = Schedule(tuple(starts), tuple(self._policies))
+        self.schedule = schedule
+        return list(schedule.starts), [p.name for p in schedule.policies]
+
+    def _plan(self, scale: float = 1.0):
+        return plan_schedule(self.profiles, nbytes(self._input_specs), self.memory_budget,
+                             base_bytes=self._base_bytes(), activation_scale=scale)
+
+    def _base_bytes(self) -> int:
+        """Memory alive through a whole step: variables, optimizer slots (built next) and the batch."""
+        variables = sum(nbytes(v) for v in self.network.variables)
+        slots = 2 * sum(nbytes(v) for v in self.network.trainable_variables)
+        return variables + slots + self._batch_bytes
+
+    def _compile(self) -> None:
+        self._fns = [SectionFunctions(self.network, s, c, self.jit_compile, scale_loss=self._scale_loss,
+                                      replicas=self.replicas)
+                     for s, c in zip(self.sections, self._counters)]
+        # Sparse (embedding) gradients change length with the batch's shapes: their length is left unknown.
+        self._apply = RelaxedFunction(self.replicas.wrap(self._apply_gradients), self.jit_compile, batch_args=())
+        if self.one_graph:
+            self._graph_train = RelaxedFunction(self.replicas.wrap(self._graph_step), self.jit_compile, (0,))
+            self._graph_grads = RelaxedFunction(self.replicas.wrap(self._graph_cycle), self.jit_compile, (0,))
+
+    def _policy_label(self, section) -> str:
+        return "fused (last)" if section.index == len(self.sections) - 1 else section.policy
+
+    # ------------------------------------------------------------------ the step
+    def _step(self, batch) -> dict:
+        if self.one_graph:
+            self.meter.reset()
+            loss = self._graph_train(local_size(batch, self.replicas), batch)
+            return self._stats(loss, self.meter.peaks())
+        loss, grads, peaks, step_peak = self._cycle(batch)
+        self.meter.reset()
+        self._apply(0, *self._present(grads))
+        apply_peaks = self.meter.peaks()
+        device_peaks = {d: max(p, apply_peaks[d]) for d, p in step_peak.items()}
+        stats = self._stats(loss, device_peaks, peaks)
+        if self.plan is not None:
+            # The plan is per replica; replicas on logical CPU devices share one allocator (read as their total).
+            sharing = max(1, len(self.replicas.devices()) // len(self.meter.devices))
+            self._replan_if_over(stats["step_peak_bytes"] // sharing)
+        return stats
+
+    def _gradients(self, batch):
+        if self.one_graph:
+            return self._graph_grads(local_size(batch, self.replicas), batch)
+        loss, grads, _, _ = self._cycle(batch)
+        return loss, grads
+
+    # ------------------------------------------------------------------ the step as one graph (one_graph=True)
+    def _graph_cycle(self, batch):
+        """``_cycle`` traced into one graph (recompute everywhere). Section k's re-run reads its input border
+        through an identity that waits for the gradient on its output: without that gate the executor (or
+        Grappler's common-subexpression pass) would run or merge the re-run with the first forward, and keep
+        every activation alive as a whole-graph step does."""
+        fns, last = self._fns, len(self.sections) - 1
+        views = self._views(batch)
+        h = batch[self.network.inputs]
+        borders, snapshots = [], []
+        for k in range(last):
+            out, snapshot = fns[k]._first(h, views[k])
+            borders.append(h)
+            snapshots.append(snapshot)
+            h = out
+            del out
+        loss, upstream, var_grads = fns[last]._fused(h, views[last])
+        del h
+        grads: list = [None] * len(self._trainable)
+        self._accumulate(grads, self.sections[last].variables, var_grads, in_graph=True)
+        for k in range(last - 1, -1, -1):
+            gate = [g for g in tf.nest.flatten(upstream) if g is not None]
+            with tf.control_dependencies(gate):
+                border = tf.nest.map_structure(tf.identity, borders[k])
+            if self.jit_compile:  # XLA ignores control dependencies: a data dependency instead (adds zero)
+                border = _after(border, gate)
+            borders[k] = None
+            upstream, var_grads, _ = fns[k]._rerun_backward(border, views[k], upstream, snapshots[k], None)
+            self._accumulate(grads, self.sections[k].variables, var_grads, in_graph=True)
+        return loss, grads
+
+    def _graph_step(self, batch):
+        loss, grads = self._graph_cycle(batch)
+        self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, self._trainable) if g is not None])
+        return loss
+
+    def _cycle(self, batch):
+        """One step's gradients: the schedule's program run in order (the cached forward pass, the fused last
+        section, then the backward from the last section to the first, re-creating dropped input borders).
+
+        ``kept[k]`` is what section k keeps for its backward, as ``(policy, what it kept)``.
+        """
+        schedule, fns, meter = self.schedule, self._fns, self.meter
+        last = len(self.sections) - 1
+        views = self._views(batch)
+        kept = [None] * (last + 1)
+        snapshots = [None] * (last + 1)  # each section's state before its first run: every re-run replays it
+        grads: list = [None] * len(self._trainable)
+        peaks, step_peak, loss, upstream, expected = [0] * (last + 1), None, None, None, None
+        h = batch[self.network.inputs]
+
+        def measured(k):  # the window since the last reset is section k's backward
+            device_peaks = meter.peaks()
+            for d, p in device_peaks.items():
+                step_peak[d] = max(step_peak[d], p)
+            peaks[k] = max(device_peaks.values())
+            meter.reset()
+
+        meter.reset()
+        for step in schedule.program:
+            k = step.section
+            if step.op == FORWARD:
+                policy = kept_policy(schedule, step)
+                if policy is None:
+                    h, snapshots[k] = fns[k].forward(h, views[k], snapshots[k])
+                else:
+                    h, snapshots[k], keeps = policy.forward(fns[k], h, views[k], snapshots[k])
+                    kept[k] = (policy, keeps)
+                    del keeps
+            elif step.op == LOSS:
+                step_peak = meter.peaks()
+                meter.reset()
+                loss, upstream, var_grads = fns[k].fused(h, views[k])
+                # Check mode keeps each section's input one section longer, to compare the re-run of the one before.
+                expected = h if self.check else None
+                h = None
+                self._accumulate(grads, self.sections[k].variables, var_grads)
+                measured(k)
+            elif step.op == RESUME:
+                policy, keeps = kept[step.source]
+                h = policy.resume_border(keeps)
+                del keeps
+            elif step.op == HOLD:
+                kept[k], h = (KEEP_INPUT, h), None
+            else:  # BACKWARD
+                policy, keeps = kept[k]
+                kept[k] = None
+                upstream, var_grads = policy.backward(fns[k], keeps, views[k], upstream, snapshots[k],
+                                                      expected if self.check else None)
+                expected = policy.input_border(keeps) if self.check else None
+                del keeps
+                snapshots[k] = None
+                self._accumulate(grads, self.sections[k].variables, var_grads)
+                measured(k)
+        return loss, grads, peaks, step_peak
+
+    def _replan_if_over(self, measured: int) -> None:
+        """Every step: a measured peak above the plan's prediction corrects the cost model and re-plans (up to
+        ``MAX_REPLANS`` times); a step over the budget when no corrected plan fits stops training."""
+        hb, old = rules.human_bytes, self.plan
+        if measured <= old.predicted_peak:
+            return
+        over_budget = measured > old.budget
+        scale = self._activation_scale * (measured - old.base_bytes) / max(1, old.predicted_peak - old.base_bytes)
+        over = f"measured step peak {hb(measured)} exceeded the plan's prediction {hb(old.predicted_peak)}"
+        if len(self.replans) >= MAX_REPLANS:
+            if over_budget:
+                raise BudgetExceededError(f"{over} and the budget {hb(old.budget)} after {len(self.replans)} "
+                                          f"corrections of the cost model; give a larger memory_budget") from None
+            return
+        try:
+            plan = self._plan(scale)
+        except ValueError as err:
+            if over_budget:
+                raise BudgetExceededError(f"{over} and the budget {hb(old.budget)}; with activation costs corrected "
+                                          f"by {scale:.3g}: {err}") from None
+            if not self._plan_kept:  # inside the budget all the same (the margin absorbed the error): it stays
+                self._plan_kept = True
+                self._log_replan(f"{over} but not the budget {hb(old.budget)}; with activation costs scaled by "
+                                 f"{scale:.3f} no plan fits inside the safety margin, so the plan stays")
+            return
+        self._activation_scale, self.plan = scale, plan
+        budget_note = f" (over the budget {hb(old.budget)})" if over_budget else ""
+        self._log_replan(f"{over}{budget_note}; activation costs scaled by {scale:.3f} and re-planned: "
+                         f"{len(old.schedule.starts) + 1} -> {len(plan.schedule.starts) + 1} sections, "
+                         f"predicted peak {hb(plan.predicted_peak)}")
+        if plan.schedule == self.schedule:
+            return
+        self.schedule = plan.schedule
+        starts, policies = list(self.schedule.starts), [p.name for p in self.schedule.policies]
+        self._make_sections(starts, policies)
+        self._counters = self._make_counters()
+        self._fields = [self.network.fields_for(s.start, s.stop, list(self._probe[0])) for s in self.sections]
+        self._compile()
+
+    def _log_replan(self, message: str) -> None:
+        self.replans.append(message)
+        log.warning(message)
+
+    def _accumulate(self, grads: list, variables: list, var_grads, in_graph: bool = False) -> None:
+        """Add a section's variable gradients into ``grads``; ``in_graph``: inside one replica's traced step
+        (one_graph), where no per-replica values need joining."""
+        for v, g in zip(variables, var_grads):
+            if g is None:
+                continue
+            i = self._var_index[id(v)]
+            grads[i] = g if grads[i] is None else (add_gradients(grads[i], g) if in_graph else
+                                                   self.replicas.add(add_gradients, grads[i], g))
+
+    def _present(self, grads: list):
+        idx = tuple(i for i, g in enumerate(grads) if g is not None)
+        return [grads[i] for i in idx], idx
+
+    def _apply_gradients(self, grads, idx):
+        if self.replicas.distributed:
+            # Function arguments carry no device; the all-reduce places by its inputs' devices (each replica's).
+            grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
+        self.optimizer.apply_gradients(zip(grads, [self._trainable[i] for i in idx]))
+
+    def flops(self) -> list[dict]:
+        """Forward and backward FLOPs per section at the real batch (TensorFlow's cost analysis; traces each
+        section once more, so call it once)."""
+        from .flops import section_flops
+
+        self._require_built()
+        return section_flops(self)
+
+    def _trace_counts(self) -> dict[str, int]:
+        counts = {}
+        for f in self._fns:
+            counts.update(f.trace_counts())
+        counts["apply"] = self._apply.tracing_count()
+        if self.one_graph:
+            counts["step"] = self._graph_train.tracing_count()
+        return counts
+
+
+def _after(border, gate):
+    """``border`` with a data dependency on the first gate tensor (as ``tf.recompute_grad`` does under XLA)."""
+    if not gate:
+        return border
+    elem = tf.cast(tf.reduce_max(tf.reshape(gate[0], [-1])[:1]), tf.bool)
+    zero = tf.where(tf.equal(elem, elem), 0.0, float("nan"))
+    return tf.nest.map_structure(
+        lambda t: t + tf.cast(zero, t.dtype) if t.dtype.is_floating else t, border)
+

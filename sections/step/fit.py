@@ -1,0 +1,302 @@
+"""``SectionedModel``: a user's Keras model trained section by section inside ``model.fit``.
+
+The wrapper is a ``keras.Model`` whose training step is the engine's cycle over the model cut by
+``Network.from_keras``. ``compile`` and ``fit`` keep their Keras meaning: the last section's loss is
+``compile()``'s loss (with ``loss_weights``, ``sample_weight``/``class_weight`` and the model's
+regularization losses), and the compiled metrics are updated from the outputs that section computed.
+``evaluate``, ``predict`` and validation run the wrapped model as Keras does; saving writes the wrapped model.
+
+``fit`` runs each step in Python (the engine measures memory between sections and calls each section's
+compiled functions), so Keras's ``steps_per_execution`` cannot apply.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras.src.losses.loss import unscale_loss_for_distribution
+
+from ..network.keras_network import _checked, from_keras
+from .engine import Engine
+
+__all__ = ["SectionedModel"]
+
+_MiB = 2.0**20
+_NAMES_HINT = "SectionedModel(...).network.cut_points lists them all"
+
+
+class SectionedModel(keras.Model):
+    """A built Functional or Sequential Keras model whose ``fit`` trains it section by section.
+
+    Args:
+        model: the user's built ``keras.Model`` (functional API) or ``keras.Sequential`` (with an ``Input``);
+            it holds the trained weights, and ``save``/``save_weights`` write it, not the wrapper.
+        sections: an int (that many sections, balanced by activation bytes), a list of layer names where
+            sections start (cut points of the model's graph), or ``"auto"`` with ``memory_budget``.
+        policy: ``"recompute"``, ``"store"``, ``"recreate"``, a ``sections.Policy``, or one per section.
+        memory_budget: bytes or a size such as ``"2GiB"`` for ``sections="auto"``.
+        check: compare each re-run's output with its first run and raise on a mismatch.
+        probe_batch: examples the planner's probe runs (``sections="auto"``); default the real batch.
+        one_graph: compile each step into one graph (``Engine(one_graph=True)``).
+        max_blocks: at most this many blocks the model is cut into (``Network.from_keras``).
+
+    Create it (and the model) under ``strategy.scope()`` to train on a ``tf.distribute`` strategy's replicas.
+
+    Example:
+        >>> model = keras.applications.ResNet50(weights=None, input_shape=(96, 96, 3), classes=10)
+        >>> model = sections.SectionedModel(model, sections=4)     # the one added line
+        >>> model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+        >>> model.fit(images, labels, batch_size=64, epochs=3, callbacks=[keras.callbacks.TensorBoard("logs")])
+    """
+
+    def __init__(self, model, sections=4, policy="recompute", memory_budget=None, check: bool = False,
+                 probe_batch: int | None = None, one_graph: bool = False, max_blocks: int = 64, name=None):
+        _check_model(model)
+        super().__init__(name=name or f"sectioned_{model.name}")
+        self.model = model
+        self._engine_args = dict(sections=list(sections) if isinstance(sections, tuple) else sections,
+                                 policy=policy, memory_budget=memory_budget, check=check,
+                                 probe_batch=probe_batch, one_graph=one_graph)
+        self.network = self._cut(model, sections, max_blocks)
+        self.engine = self._new_engine(optimizer=None)  # checks sections and policy now: bad input fails here
+        self.section_stats: dict | None = None
+        self._epoch_peak = 0
+        self._fit_ready = False
+        self.built = True
+
+    def _cut(self, model, sections, max_blocks: int):
+        """The model cut by ``from_keras``; layer names in ``sections`` stay block borders."""
+        cut = lambda keep=(): from_keras(model, self._network_loss, inputs="x", fields=_field_names(model),  # noqa: E731
+                                         keep=keep, max_blocks=max_blocks, names_hint=_NAMES_HINT)
+        network = cut()
+        names = list(sections) if isinstance(sections, (list, tuple)) else []
+        if any(n not in network.boundaries for n in names):
+            if any(not isinstance(n, str) or n not in network.cut_points for n in names):
+                network.boundary_starts(names)  # one line: no such layer, or why it cannot be cut there
+            network = cut(names)
+        return network
+
+    # ------------------------------------------------------------------ Keras's model API
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None, weighted_metrics=None,
+                run_eagerly=False, steps_per_execution=1, jit_compile="auto", auto_scale_loss=True):
+        if loss is None:
+            raise ValueError(f"SectionedModel.compile(loss=None): the sectioned step trains on compile()'s loss; "
+                             f"give loss= (a loss name, a keras.losses.Loss, or a list/dict for the "
+                             f"{len(self.model.outputs)} output(s) {[o.name for o in self.model.outputs]}).")
+        if steps_per_execution != 1:
+            raise ValueError(f"steps_per_execution={steps_per_execution}: SectionedModel runs one step per call "
+                             f"(the engine measures memory between sections in Python); use 1.")
+        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
+                        weighted_metrics=weighted_metrics, run_eagerly=run_eagerly, steps_per_execution=1,
+                        jit_compile=jit_compile, auto_scale_loss=auto_scale_loss)
+        # The wrapped model shares the optimizer and the loss, so a saved .keras file is the user's compiled
+        # model, optimizer state included, and loads without sectionflow.
+        self.model.compile(optimizer=self.optimizer, loss=loss, loss_weights=loss_weights)
+        self.engine = self._new_engine(self.optimizer)
+        self._fit_ready = False
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None, **kwargs):
+        callbacks = _with_section_telemetry(callbacks)
+        return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+                           **kwargs)
+
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """Saves the wrapped model (a ``.keras`` file ``keras.models.load_model`` reads without sectionflow)."""
+        return self.model.save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
+        return self.model.save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)
+
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        return self.model.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        self._epoch_peak = 0
+
+    # ------------------------------------------------------------------ the training step
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+
+        def one_step(iterator):
+            return self.train_step(next(iterator))
+
+        self.train_function = one_step
+        return one_step
+
+    def train_step(self, data):
+        """One step of the engine's cycle on a batch ``(x, y[, sample_weight])``; returns the logs."""
+        data = _global_batch(data, self._distribute_strategy)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if y is None:
+            raise ValueError("SectionedModel.fit needs targets: give y (or a dataset of (x, y) pairs).")
+        if not self._fit_ready:
+            with self.distribute_strategy.scope():
+                self._symbolic_build(data_batch=data)  # compiled loss, metrics and optimizer variables
+            self._fit_ready = True
+        batch = {**self._inputs(x), "y": y}
+        if sample_weight is not None:
+            batch["sample_weight"] = sample_weight
+        stats = self.engine.train_step(batch)
+        self.section_stats = stats
+        logs = self.get_metrics_result()
+        if stats["step_peak_bytes"] is not None:  # None: the allocator keeps no statistics (not measured)
+            self._epoch_peak = max(self._epoch_peak, stats["step_peak_bytes"])
+            logs["step_peak_MiB"] = self._epoch_peak / _MiB
+        return logs
+
+    def _network_loss(self, outputs, batch):
+        """compile()'s loss on the last section's outputs (run inside its compiled function), and the
+        compiled metrics updated from them, as Keras's ``train_step`` does after its forward pass."""
+        y, sample_weight = batch["y"], batch.get("sample_weight")
+        loss = self._compute_loss(x=None, y=y, y_pred=outputs, sample_weight=sample_weight, training=True)
+        size = tf.shape(tf.nest.flatten(outputs)[0])[0]
+        self._loss_tracker.update_state(unscale_loss_for_distribution(loss), sample_weight=size)
+        self.compute_metrics(None, y, outputs, sample_weight=sample_weight)
+        # Keras scales each replica's loss by 1/replicas; the engine scales the loss it differentiates itself.
+        return unscale_loss_for_distribution(loss)
+
+    def _inputs(self, x) -> dict:
+        names = [t.name for t in self.model.inputs]
+        if isinstance(x, dict):
+            missing = [n for n in names if n not in x]
+            if missing:
+                raise ValueError(f"x is a dict without the model's input(s) {missing}; its keys: {sorted(x)}.")
+            values = [x[n] for n in names]
+        elif isinstance(x, (list, tuple)) and len(names) > 1:
+            if len(x) != len(names):
+                raise ValueError(f"x has {len(x)} arrays; model {self.model.name!r} has {len(names)} inputs "
+                                 f"{names}.")
+            values = list(x)
+        else:
+            values = [x[0] if isinstance(x, (list, tuple)) and len(x) == 1 else x]
+        return {"x": values[0], **{f"input:{n}": v for n, v in zip(names[1:], values[1:])}}
+
+    def _new_engine(self, optimizer) -> Engine:
+        strategy = self._distribute_strategy
+        return _FitEngine(self.network, optimizer, jit_compile=bool(optimizer is not None and self.jit_compile),
+                          distribute=strategy if strategy is not None and strategy.num_replicas_in_sync > 1
+                          else None, regularized=_regularized(self.model), **self._engine_args)
+
+
+class _FitEngine(Engine):
+    """The engine, plus weight-regularization gradients for variables outside the last section.
+
+    The last section's loss is Keras's whole loss (regularization of every variable included), but its backward
+    only differentiates its own variables; the regularizers of the others are differentiated here (a function of
+    the weights alone: no activations), scaled as the step's loss is.
+    """
+
+    def __init__(self, *args, regularized=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self._regularized = list(regularized)
+        self._reg_fn = None
+
+    def _cycle(self, batch):
+        loss, grads, peaks, step_peak = super()._cycle(batch)
+        outside = self._outside_last()
+        if outside:
+            if self._reg_fn is None:
+                self._reg_fn = tf.function(self.replicas.wrap(self._regularization_gradients))
+            self._accumulate(grads, outside, self._reg_fn())
+        return loss, grads, peaks, step_peak
+
+    def _graph_cycle(self, batch):
+        loss, grads = super()._graph_cycle(batch)
+        outside = self._outside_last()
+        if outside:
+            self._accumulate(grads, outside, self._regularization_gradients(), in_graph=True)
+        return loss, grads
+
+    def _outside_last(self) -> list:
+        last = {id(v) for v in self.sections[-1].variables}
+        return [v for v in self._regularized if id(v) not in last]
+
+    def _compile(self) -> None:
+        super()._compile()
+        self._reg_fn = None  # a re-plan moves the last section's border: which variables are outside changes
+
+    def _regularization_gradients(self):
+        variables = self._outside_last()
+        with tf.GradientTape() as tape:
+            reg = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in variables])
+            scaled = self._scale_loss(reg)
+        return tape.gradient(scaled, variables)
+
+
+class _SectionTelemetry(keras.callbacks.Callback):
+    """Writes each epoch's per-section memory and forward runs to a TensorBoard callback's train folder."""
+
+    def __init__(self, board: keras.callbacks.TensorBoard):
+        super().__init__()
+        self.board = board
+        self._peaks: list[int] = []
+        self._step_peak = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._peaks, self._step_peak = [], 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        stats = getattr(self.model, "section_stats", None)
+        if not stats or stats["step_peak_bytes"] is None:  # nothing measured: no memory tags
+            return
+        peaks = [p or 0 for p in stats["peak_bytes"]]
+        self._peaks = [max(a, b) for a, b in zip(self._peaks, peaks)] if len(self._peaks) == len(peaks) else peaks
+        self._step_peak = max(self._step_peak, stats["step_peak_bytes"])
+
+    def on_epoch_end(self, epoch, logs=None):
+        stats = getattr(self.model, "section_stats", None)
+        if not stats:
+            return
+        writer = self.board._train_writer
+        with writer.as_default():
+            if stats["step_peak_bytes"] is not None:
+                for k, peak in enumerate(self._peaks):
+                    tf.summary.scalar(f"memory_MiB/section_{k}", peak / _MiB, step=epoch)
+                tf.summary.scalar("memory_MiB/step_peak", self._step_peak / _MiB, step=epoch)
+            for k, runs in enumerate(stats["forward_runs"]):
+                tf.summary.scalar(f"forward_runs/section_{k}", runs, step=epoch)
+        writer.flush()
+
+
+def _with_section_telemetry(callbacks):
+    if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    callbacks = list(callbacks)
+    boards = [c for c in callbacks if isinstance(c, keras.callbacks.TensorBoard)]
+    return callbacks + [_SectionTelemetry(b) for b in boards]
+
+
+def _global_batch(data, strategy):
+    """A batch as one global batch: a distributed dataset's per-replica parts joined in replica order (the
+    engine splits it again the same way)."""
+    if strategy is None:
+        return data
+
+    def join(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return tf.concat(strategy.experimental_local_results(value), axis=0)
+        return value
+
+    return tf.nest.map_structure(join, data)
+
+
+def _field_names(model) -> dict:
+    return {t.name: f"input:{t.name}" for t in model.inputs[1:]}
+
+
+def _regularized(model) -> list:
+    return [v for v in model.trainable_variables if getattr(v, "regularizer", None) is not None]
+
+
+def _check_model(model) -> None:
+    _checked(model, "SectionedModel")
+    active = [layer.name for layer in model._flatten_layers() if getattr(layer, "activity_regularizer", None)]
+    if active:
+        raise ValueError(f"SectionedModel: layer(s) {active} have an activity_regularizer, a loss made inside a "
+                         f"section the last section cannot differentiate; move it into compile()'s loss or "
+                         f"use a weight regularizer.")

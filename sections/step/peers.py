@@ -1,0 +1,86 @@
+"""What users would use instead of sections, at the same partition and compiled the same way:
+one whole-graph step, and ``tf.recompute_grad`` around each section."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from ..backend.relaxed import RelaxedFunction
+from ..backend.replicas import local_size
+from .base import Trainer
+
+
+class WholeGraph(Trainer):
+    """One ordinary compiled ``GradientTape`` step over the whole network (the partition only labels the
+    table). Each section's counter is incremented inside its forward code, like the engine's."""
+
+    strategy = "whole"
+
+    def __init__(self, network, optimizer, sections=1, policy=None, jit_compile: bool = False, check: bool = False,
+                 memory_budget=None, probe_batch: int | None = None, device: str | None = None, distribute=None):
+        # policy, check and memory_budget belong to the sectioned engine; accepted so configs can switch classes.
+        if sections == "auto":
+            raise ValueError(f"sections='auto' plans the sectioned engine; {type(self).__name__} takes an int "
+                             f"or a list of boundary names.")
+        super().__init__(network, optimizer, sections, jit_compile=jit_compile, probe_batch=probe_batch,
+                         device=device, distribute=distribute)
+
+    def _settle(self, batch):
+        starts = self._starts if self._starts is not None else self._balanced_starts(self._sections_arg)
+        return starts, [self.strategy] * (len(starts) + 1)
+
+    def _compile(self) -> None:
+        self._train_fn = RelaxedFunction(self.replicas.wrap(self._train), self.jit_compile, batch_args=(0,))
+        self._grads_fn = RelaxedFunction(self.replicas.wrap(self._tape_gradients), self.jit_compile, batch_args=(0,))
+
+    def _step(self, batch) -> dict:
+        self.meter.reset()
+        loss = self._train_fn(local_size(batch, self.replicas), batch)
+        return self._stats(loss, self.meter.peaks())
+
+    def _gradients(self, batch):
+        return self._grads_fn(local_size(batch, self.replicas), batch)
+
+    def _train(self, batch):
+        loss, grads = self._tape_gradients(batch)
+        self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, self._trainable) if g is not None])
+        return loss
+
+    def _run_section(self, sec, h, batch):
+        self._counters[sec.index].assign_add(1)
+        return self.network.run_blocks(h, batch, True, sec.start, sec.stop)
+
+    def _tape_gradients(self, batch):
+        with tf.GradientTape() as tape:
+            h = batch[self.network.inputs]
+            for sec in self.sections:
+                h = self._section_output(sec, h, batch)
+            loss = self.network.loss(h, batch)
+            scaled = self._scale_loss(loss)
+        return loss, tape.gradient(scaled, self._trainable)
+
+    def _section_output(self, sec, h, batch):
+        return self._run_section(sec, h, batch)
+
+    def _trace_counts(self) -> dict[str, int]:
+        return {"step": self._train_fn.tracing_count()}
+
+
+class RecomputeGrad(WholeGraph):
+    """Every section but the last wrapped in ``tf.recompute_grad`` (TensorFlow's gradient checkpointing)
+    inside one compiled step. Re-runs update batch-norm statistics again: not exact, as users get it."""
+
+    strategy = "recompute_grad"
+
+    def _section_output(self, sec, h, batch):
+        if sec.index == len(self.sections) - 1:
+            return self._run_section(sec, h, batch)
+        structure = h
+
+        def run(*flat):
+            inner = tf.nest.pack_sequence_as(structure, list(flat))
+            return tf.nest.flatten(self._run_section(sec, inner, batch))
+
+        flat = tf.recompute_grad(run)(*tf.nest.flatten(h))
+        return tf.nest.pack_sequence_as(self.sections[sec.index + 1].input_specs, flat)
+

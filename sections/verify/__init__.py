@@ -1,0 +1,1 @@
+"""A step compared with an ordinary whole-graph step."""
