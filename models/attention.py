@@ -10,7 +10,7 @@ import tensorflow as tf
 from sections import Network
 
 from ._util import SeedStream, check_image_shape, check_int, check_ints, reject_data_args, serializable
-from .losses import classification_accuracy, classification_loss
+from .losses import head
 
 
 @tf.custom_gradient
@@ -115,6 +115,7 @@ def build_attention(
     bn_momentum: float = 0.9,
     seed: int = 0,
     vocab_size: int | None = None,
+    targets: str = "class",
 ) -> Network:
     """Blocks ``features/conv_{i}`` (conv, BN, ReLU, pool), ``attention`` (the Bernoulli gate), ``classifier``
     (flatten, hidden layer, logits).
@@ -127,9 +128,12 @@ def build_attention(
         bn_momentum: batch-norm moving-average momentum.
         seed: makes initial weights and the attention samples reproducible.
         vocab_size: sequence data's argument; given, it raises a ValueError naming the mix-up.
+        targets: the data's labels: ``class`` numbers (softmax cross-entropy, accuracy) or ``float`` values
+            (``num_classes`` outputs, mean squared error, ``mae``).
     """
     reject_data_args("attention", "image data (num_classes, input_shape)", vocab_size=vocab_size)
-    num_classes = check_int("num_classes", num_classes, minimum=2)
+    loss, metrics = head(targets)
+    num_classes = check_int("num_classes", num_classes, minimum=2 if targets == "class" else 1)
     check_image_shape(input_shape)
     filters, hidden = check_ints("filters", filters), check_int("hidden", hidden)
     seeds = SeedStream(seed)
@@ -137,5 +141,4 @@ def build_attention(
               for i, f in enumerate(filters)]
     blocks.append(("attention", BernoulliAttention(seeds(), name="attention")))
     blocks.append(("classifier", Classifier(num_classes, hidden, seeds(), name="classifier")))
-    return Network(blocks, loss=classification_loss(), inputs="image",
-                   metrics={"accuracy": classification_accuracy()}, loss_fields=("label",))
+    return Network(blocks, loss=loss, inputs="image", metrics=metrics, loss_fields=("label",))

@@ -19,7 +19,7 @@ import tensorflow as tf
 from sections import Network
 
 from ._util import check_image_shape, reject_data_args
-from .losses import classification_accuracy, classification_loss
+from .losses import head
 
 
 # Where a runner user reads every cut name of the chosen model (runner/help.py adds them to --help).
@@ -33,7 +33,7 @@ def application_names() -> list[str]:
 
 def build_keras_app(name: str = "ResNet50V2", num_classes: int = 10, input_shape: Sequence[int] | None = None,
                     data_args: Mapping | None = None, max_blocks: int = 64, keep: Sequence[str] = (),
-                    **other_data_args) -> Network:
+                    targets: str = "class", **other_data_args) -> Network:
     """A ``keras.applications`` model by name, with random weights (``weights=None``), cut at layer names.
 
     Args:
@@ -44,6 +44,7 @@ def build_keras_app(name: str = "ResNet50V2", num_classes: int = 10, input_shape
             one-channel images repeated to three, by layers in front of the model.
         data_args: the data's own ``model_args`` where the model config set one of them itself.
         max_blocks, keep: as for ``Network.from_keras``.
+        targets: the data's labels, ``class`` or ``float`` (``num_classes`` linear outputs, mean squared error).
 
     Initial weights come from Keras's global seed (``keras.utils.set_random_seed``; the runner sets it).
     """
@@ -58,6 +59,9 @@ def build_keras_app(name: str = "ResNet50V2", num_classes: int = 10, input_shape
     constructor = getattr(keras.applications, name)
     params = inspect.signature(constructor).parameters
     logits = "classifier_activation" in params
+    if targets == "float" and not logits:
+        raise ValueError(f"keras.applications.{name} ends in a softmax (no classifier_activation argument), so it "
+                         f"cannot fit the data's float targets; choose a model that takes classifier_activation.")
     inputs = keras.Input(data_shape, name="image")
     x = _adapt(inputs, data_shape, shape)
     kwargs = {"classifier_activation": None} if logits else {}
@@ -67,13 +71,13 @@ def build_keras_app(name: str = "ResNet50V2", num_classes: int = 10, input_shape
         raise ValueError(f"keras.applications.{name} cannot be built for input_shape={list(shape)} and "
                          f"{num_classes} classes: {err} (input_shape sets the size it is built for; the data's "
                          f"images are resized to it)") from err
-    return _network(model, logits, max_blocks, keep)
+    return _network(model, logits, max_blocks, keep, targets)
 
 
 def build_keras_file(path: str | None = None, custom_objects: Sequence[str] = (), num_classes: int | None = None,
                      input_shape: Sequence[int] | None = None, data_args: Mapping | None = None,
                      from_logits: bool | None = None, max_blocks: int = 64, keep: Sequence[str] = (),
-                     **other_data_args) -> Network:
+                     targets: str = "class", **other_data_args) -> Network:
     """A model saved with ``model.save("x.keras")``, cut at its layer names; it keeps its saved weights.
 
     Args:
@@ -84,6 +88,7 @@ def build_keras_file(path: str | None = None, custom_objects: Sequence[str] = ()
         data_args: unused (the file fixes the model's shapes); accepted like ``build_keras_app``'s.
         from_logits: whether the model outputs logits; ``None``: logits unless its last layer ends in a
             softmax.
+        targets: the data's labels, ``class`` or ``float`` (the outputs are the values: mean squared error).
         max_blocks, keep: as for ``Network.from_keras``.
     """
     reject_data_args("keras_file", "image data (num_classes, input_shape)", **other_data_args)
@@ -108,10 +113,11 @@ def build_keras_file(path: str | None = None, custom_objects: Sequence[str] = ()
                          f"{list(data_shape)}; choose data of that shape.")
     out = model.outputs[0].shape[-1] if getattr(model, "outputs", None) else None
     if num_classes is not None and out is not None and out != num_classes:
-        raise ValueError(f"path={path!r}: the model outputs {out} classes but the data has {num_classes}.")
+        what = "classes" if targets != "float" else "values per example"
+        raise ValueError(f"path={path!r}: the model outputs {out} {what} but the data has {num_classes}.")
     if from_logits is None:
         from_logits = not _ends_in_softmax(model)
-    return _network(model, from_logits, max_blocks, keep)
+    return _network(model, from_logits, max_blocks, keep, targets)
 
 
 def _adapt(x, data_shape, shape):
@@ -127,10 +133,12 @@ def _adapt(x, data_shape, shape):
     return x
 
 
-def _network(model, logits: bool, max_blocks: int, keep) -> Network:
-    loss = classification_loss("label") if logits else _probability_loss("label")
-    return Network.from_keras(model, loss, inputs="image", metrics={"accuracy": classification_accuracy("label")},
-                              loss_fields=("label",), max_blocks=max_blocks, keep=keep, names_hint=NAMES_HINT)
+def _network(model, logits: bool, max_blocks: int, keep, targets: str = "class") -> Network:
+    loss, metrics = head(targets, "label")
+    if targets != "float" and not logits:
+        loss = _probability_loss("label")
+    return Network.from_keras(model, loss, inputs="image", metrics=metrics, loss_fields=("label",),
+                              max_blocks=max_blocks, keep=keep, names_hint=NAMES_HINT)
 
 
 def _probability_loss(label_key: str):

@@ -51,3 +51,38 @@ def token_accuracy(target_key: str = "target_out", pad_id: int = PAD_ID):
         return tf.reduce_sum(hits * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
 
     return accuracy
+
+
+def regression_loss(label_key: str = "label"):
+    """Mean squared error of the outputs against float targets ``batch[label_key]`` (any shape, flattened)."""
+
+    def loss(outputs, batch):
+        targets = tf.cast(batch[label_key], tf.float32)
+        outputs = tf.reshape(tf.cast(outputs, tf.float32), tf.shape(targets))
+        return tf.reduce_mean(tf.square(outputs - targets))
+
+    return loss
+
+
+def regression_mae(label_key: str = "label"):
+    """Mean absolute error of the outputs against float targets."""
+
+    def mae(outputs, batch):
+        targets = tf.cast(batch[label_key], tf.float32)
+        outputs = tf.reshape(tf.cast(outputs, tf.float32), tf.shape(targets))
+        return tf.reduce_mean(tf.abs(outputs - targets))
+
+    return mae
+
+
+TARGETS = ("class", "float")
+
+
+def head(targets: str | None, label_key: str = "label") -> tuple:
+    """``(loss, metrics)`` for the data's targets: class numbers (softmax cross-entropy, accuracy) or float
+    values (mean squared error, mean absolute error ``mae``)."""
+    if targets in (None, "class"):
+        return classification_loss(label_key), {"accuracy": classification_accuracy(label_key)}
+    if targets == "float":
+        return regression_loss(label_key), {"mae": regression_mae(label_key)}
+    raise ValueError(f"targets={targets!r}: allowed: {', '.join(TARGETS)}.")

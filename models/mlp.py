@@ -9,7 +9,7 @@ import keras
 from sections import Network
 
 from ._util import SeedStream, check_int, check_ints, check_rate, reject_data_args, serializable
-from .losses import classification_accuracy, classification_loss
+from .losses import head
 
 ACTIVATIONS = ("relu", "gelu", "tanh", "sigmoid", "elu", "swish")
 
@@ -46,6 +46,7 @@ def build_mlp(
     dropout: float = 0.0,
     seed: int = 0,
     vocab_size: int | None = None,
+    targets: str = "class",
 ) -> Network:
     """Blocks ``dense_0``.. (one per hidden layer) and ``logits``; the first block flattens the input.
 
@@ -57,9 +58,12 @@ def build_mlp(
         dropout: rate after each hidden layer (0 turns it off).
         seed: makes initial weights and dropout reproducible.
         vocab_size: sequence data's argument; given, it raises a ValueError naming the mix-up.
+        targets: the data's labels: ``class`` numbers (softmax cross-entropy, accuracy) or ``float`` values
+            (``num_classes`` outputs, mean squared error, ``mae``).
     """
     reject_data_args("mlp", "image data (num_classes, input_shape)", vocab_size=vocab_size)
-    num_classes = check_int("num_classes", num_classes, minimum=2)
+    loss, metrics = head(targets)
+    num_classes = check_int("num_classes", num_classes, minimum=2 if targets == "class" else 1)
     hidden = check_ints("hidden", hidden)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}: allowed are {list(ACTIVATIONS)}.")
@@ -68,5 +72,4 @@ def build_mlp(
     blocks = [(f"dense_{i}", DenseBlock(units, activation, dropout, seeds(), name=f"dense_{i}"))
               for i, units in enumerate(hidden)]
     blocks.append(("logits", DenseBlock(num_classes, None, 0.0, seeds(), name="logits")))
-    return Network(blocks, loss=classification_loss(), inputs="image",
-                   metrics={"accuracy": classification_accuracy()}, loss_fields=("label",))
+    return Network(blocks, loss=loss, inputs="image", metrics=metrics, loss_fields=("label",))

@@ -11,7 +11,7 @@ from sections import Network
 
 from ._util import (SeedStream, check_image_shape, check_int, check_ints, check_rate, reject_data_args,
                     serializable)
-from .losses import classification_accuracy, classification_loss
+from .losses import head
 
 
 def _conv(filters: int, size: int, stride: int, seed: int, name: str) -> keras.layers.Conv2D:
@@ -108,6 +108,7 @@ def build_resnet(
     bn_momentum: float = 0.9,
     seed: int = 0,
     vocab_size: int | None = None,
+    targets: str = "class",
 ) -> Network:
     """The notebook's ResNet; scale ``i > 0`` starts with a stride-2 block to ``widths[i]`` filters.
 
@@ -120,9 +121,12 @@ def build_resnet(
         bn_momentum: batch-norm moving-average momentum.
         seed: makes initial weights and dropout reproducible.
         vocab_size: sequence data's argument; given, it raises a ValueError naming the mix-up.
+        targets: the data's labels: ``class`` numbers (softmax cross-entropy, accuracy) or ``float`` values
+            (``num_classes`` outputs, mean squared error, ``mae``).
     """
     reject_data_args("resnet", "image data (num_classes, input_shape)", vocab_size=vocab_size)
-    num_classes = check_int("num_classes", num_classes, minimum=2)
+    loss, metrics = head(targets)
+    num_classes = check_int("num_classes", num_classes, minimum=2 if targets == "class" else 1)
     check_image_shape(input_shape)
     widths, depths = check_ints("widths", widths), check_ints("depths", depths)
     if len(widths) != len(depths):
@@ -137,5 +141,4 @@ def build_resnet(
             layer = PreActBlock(width, stride, dropout, bn_momentum, seeds(), name=name.replace("/", "_"))
             blocks.append((name, layer))
     blocks.append(("final_pool", PoolDense(num_classes, seeds(), name="final_pool")))
-    return Network(blocks, loss=classification_loss(), inputs="image",
-                   metrics={"accuracy": classification_accuracy()}, loss_fields=("label",))
+    return Network(blocks, loss=loss, inputs="image", metrics=metrics, loss_fields=("label",))

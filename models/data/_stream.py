@@ -175,6 +175,9 @@ class StreamSource:
         augment: ``parse_augment``'s list; applied to training batches only.
         max_value: the largest stored value (255 for 8-bit images), for brightness.
         info: what the run records about the data (class names, files, skipped files ...).
+        standardize: ``parse_standardize``'s ``(mean, std)``, applied after rescale and augmentation.
+        target_shape: float targets of this shape per example (regression: mean squared error, metric ``mae``)
+            instead of class numbers; ``num_classes`` is then ignored.
     """
 
     metric = "accuracy"
@@ -182,9 +185,13 @@ class StreamSource:
 
     def __init__(self, name: str, image_shape, num_classes: int, train_size: int | None, test_size: int | None,
                  rescale: float = 1.0, augment=(), max_value: float = 255.0, info: dict | None = None,
-                 standardize=None):
+                 standardize=None, target_shape=None):
         self.name = name
         self.image_shape = tuple(int(d) for d in image_shape)
+        self.target_shape = None if target_shape is None else tuple(int(d) for d in target_shape)
+        if self.target_shape is not None:  # regression: an instance's metric, not the class's accuracy
+            self.metric, self.metric_direction = "mae", "minimize"
+            num_classes = int(np.prod(self.target_shape))
         self.num_classes = int(num_classes)
         self.train_size, self.test_size = train_size, test_size
         self.rescale = float(rescale)
@@ -192,10 +199,14 @@ class StreamSource:
         self.max_value = float(max_value)
         self.standardize = standardize
         self.model_args = {"num_classes": self.num_classes, "input_shape": self.image_shape}
+        if self.target_shape is not None:
+            self.model_args["targets"] = "float"
         self.info = {"source": name, "image_shape": list(self.image_shape), "num_classes": self.num_classes,
                      "train_size": train_size, "test_size": test_size, "rescale": self.rescale,
                      "augment": [n if s is None else f"{n}:{s:g}" for n, s in self.augment],
                      **({"mean": list(standardize[0]), "std": list(standardize[1])} if standardize else {}),
+                     **({"targets": "float", "target_shape": list(self.target_shape)} if self.target_shape is not None
+                        else {}),
                      **(info or {})}
 
     # ------------------------------------------------------------------ what a subclass provides
@@ -228,7 +239,7 @@ class StreamSource:
             else:
                 row = position % batch_size
                 mine = tf.logical_and(row >= rows[0], row < rows[1])
-                image, label = tf.cond(mine, load, lambda: (tf.zeros(self.image_shape), tf.constant(0, tf.int32)))
+                image, label = tf.cond(mine, load, lambda: (tf.zeros(self.image_shape), self._no_label()))
             return {"image": image, "label": label}
 
         ds = self._train_stream(seed).enumerate()
@@ -255,7 +266,9 @@ class StreamSource:
         values = f"values 0..{self.max_value * self.rescale:g}"
         if self.standardize:
             values += f", then (x - mean {_short(self.standardize[0])}) / std {_short(self.standardize[1])}"
-        return (f"{self.name}: {sizes}, images {list(self.image_shape)}, {self.num_classes} classes, "
+        labels = f"{self.num_classes} classes" if self.target_shape is None else \
+            f"float targets {list(self.target_shape)}"
+        return (f"{self.name}: {sizes}, images {list(self.image_shape)}, {labels}, "
                 f"rescale {_fraction(self.rescale)} ({values}){aug}"
                 + (f", {skipped} corrupt file(s) skipped" if skipped else ""))
 
@@ -271,7 +284,14 @@ class StreamSource:
         image = tf.cast(image, tf.float32)
         if self.rescale != 1.0:
             image = image * self.rescale
+        if self.target_shape is not None:
+            return image, tf.reshape(tf.cast(label, tf.float32), self.target_shape)
         return image, tf.cast(label, tf.int32)
+
+    def _no_label(self):
+        if self.target_shape is not None:
+            return tf.zeros(self.target_shape, tf.float32)
+        return tf.constant(0, tf.int32)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.describe()})"

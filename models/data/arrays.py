@@ -21,7 +21,8 @@ class ArraySource(StreamSource):
     def __init__(self, x_train, train_rows, y_train, x_test, test_rows, y_test, num_classes: int, **kwargs):
         self._x = {"train": x_train, "test": x_test}
         self._rows = {"train": tf.constant(train_rows, tf.int64), "test": tf.constant(test_rows, tf.int64)}
-        self._y = {"train": tf.constant(y_train, tf.int32), "test": tf.constant(y_test, tf.int32)}
+        label_type = tf.float32 if np.issubdtype(y_train.dtype, np.floating) else tf.int32
+        self._y = {"train": tf.constant(y_train, label_type), "test": tf.constant(y_test, label_type)}
         self._dtype = tf.as_dtype(x_train.dtype)
         shape = tuple(x_train.shape[1:]) if x_train.ndim == 4 else (*x_train.shape[1:], 1)
         super().__init__("arrays", shape, num_classes, len(train_rows), len(test_rows), **kwargs)
@@ -47,7 +48,7 @@ def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_p
            test_path: str | None = None, test_labels_path: str | None = None, test_fraction: float | None = None,
            split_seed: int = 0, num_classes: int | None = None, rescale=None, augment=(), mean=None,
            std=None) -> ArraySource:
-    """Images and integer labels from NumPy files.
+    """Images and their labels from NumPy files: integer class numbers, or float targets (regression).
 
     Args:
         path: an ``.npz`` holding arrays ``x_key`` (images ``[n, h, w]`` or ``[n, h, w, c]``) and ``y_key``
@@ -87,6 +88,16 @@ def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_p
         x_test, y_test = x, y
         info["test_fraction"] = float(fraction)
     y_train, y_test = y[train_rows], y_test[test_rows]
+    uint8 = x.dtype == np.uint8
+    common = dict(rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0), augment=parse_augment(augment),
+                  max_value=255.0 if uint8 else 1.0, info=info,
+                  standardize=parse_standardize(mean, std, x.shape[-1] if x.ndim == 4 else 1))
+    if np.issubdtype(y.dtype, np.floating):  # float targets: the model regresses them
+        if y_test.shape[1:] != y_train.shape[1:] or not np.issubdtype(y_test.dtype, np.floating):
+            raise ValueError(f"data.test_path={test_path!r}: its labels are {y_test.shape[1:]} {y_test.dtype}, the "
+                             f"training targets {y_train.shape[1:]} {y_train.dtype}; they must match.")
+        return ArraySource(x, train_rows, y_train, x_test, test_rows, y_test, 1, target_shape=y_train.shape[1:],
+                           **common)
     classes = num_classes if num_classes is not None else int(y_train.max()) + 1
     if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
         raise ValueError(f"data.num_classes={num_classes!r}: must be an integer >= 1 or null.")
@@ -97,11 +108,7 @@ def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_p
                      "the training labels' largest + 1; this test class is absent from training")
             raise ValueError(f"data.{y_key if labels_path is None else 'labels_path'}: the {split} labels hold {bad}, "
                              f"outside the class range 0..{classes - 1} ({where}).")
-    uint8 = x.dtype == np.uint8
-    return ArraySource(x, train_rows, y_train, x_test, test_rows, y_test, classes,
-                       rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0), augment=parse_augment(augment),
-                       max_value=255.0 if uint8 else 1.0, info=info,
-                       standardize=parse_standardize(mean, std, x.shape[-1] if x.ndim == 4 else 1))
+    return ArraySource(x, train_rows, y_train, x_test, test_rows, y_test, classes, **common)
 
 
 def _open(path, labels_path, x_key: str, y_key: str, key: str, labels_key: str):
@@ -129,14 +136,17 @@ def _open(path, labels_path, x_key: str, y_key: str, key: str, labels_key: str):
     y = np.asarray(y)
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]
-    if x.ndim not in (3, 4) or y.ndim != 1 or len(x) != len(y) or not len(x):
-        raise ValueError(f"{xname} and {yname}: need images [n, h, w] or [n, h, w, c] and n labels; got "
-                         f"{x.shape} and {y.shape}.")
-    if not np.issubdtype(y.dtype, np.integer):
-        raise ValueError(f"{yname}: labels must be integer class numbers; got dtype {y.dtype}.")
+    floats = np.issubdtype(y.dtype, np.floating)
+    if x.ndim not in (3, 4) or y.ndim < 1 or (y.ndim != 1 and not floats) or len(x) != len(y) or not len(x):
+        raise ValueError(f"{xname} and {yname}: need images [n, h, w] or [n, h, w, c] and n labels (class numbers, "
+                         f"or float targets [n, ...]); got {x.shape} and {y.shape}.")
+    if not (np.issubdtype(y.dtype, np.integer) or floats):
+        raise ValueError(f"{yname}: labels must be integer class numbers or float targets; got dtype {y.dtype}.")
+    if floats and not np.all(np.isfinite(y)):
+        raise ValueError(f"{yname}: the float targets hold NaN or Inf.")
     if not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)):
         raise ValueError(f"{xname}: images must be numbers; got dtype {x.dtype}.")
-    return x, y.astype(np.int64)
+    return x, (y.astype(np.float32) if floats else y.astype(np.int64))
 
 
 def file_kind(path: str) -> str:

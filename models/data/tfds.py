@@ -28,7 +28,8 @@ class TFDSSource(TFRecordSource):
         spec = self._spec
         example = self._features.deserialize_example(record)
         image, label = example[spec["image_key"]], example[spec["label_key"]]
-        label = check_label(label, self.num_classes, f"an example (data.label_key={spec['label_key']!r})")
+        if self.target_shape is None:
+            label = check_label(label, self.num_classes, f"an example (data.label_key={spec['label_key']!r})")
         h, w, c = self.image_shape
         if self._resize:
             return tf.image.resize(image, [h, w]), label
@@ -84,13 +85,16 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
     if not isinstance(image_feature, tfds_lib.features.Image) or len(shape) != 3:
         raise ValueError(f"data.image_key={image_key!r}: in {name!r} it is {image_feature!r}, not an image "
                          f"[height, width, channels].")
-    class_names = None
+    class_names, target_shape = None, None
+    label_dtype = tf.as_dtype(label_feature.tf_dtype)
     if isinstance(label_feature, tfds_lib.features.ClassLabel):
         class_names = list(label_feature.names)
         num_classes = label_feature.num_classes
-    elif not (label_feature.shape == () and tf.as_dtype(label_feature.tf_dtype).is_integer):
+    elif label_dtype.is_floating and all(isinstance(d, int) for d in label_feature.shape):
+        target_shape = tuple(label_feature.shape)  # float targets: the model regresses them
+    elif not (label_feature.shape == () and label_dtype.is_integer):
         raise ValueError(f"data.label_key={label_key!r}: in {name!r} it is {label_feature!r}; expected class "
-                         f"numbers (a ClassLabel or an integer scalar).")
+                         f"numbers (a ClassLabel or an integer scalar) or float targets of a fixed shape.")
     elif isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"data.num_classes={num_classes!r}: {name!r}'s label {label_key!r} is a plain integer; "
                          f"give the number of classes (an integer >= 1).")
@@ -111,11 +115,11 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
         record["class_names"] = class_names
     spec = {"image_key": image_key, "label_key": label_key}
     source = TFDSSource(features, train_files=train, test_files=test, spec=spec, image_shape=(*size, shape[2]),
-                        resize=image_size is not None, num_classes=num_classes, compression=None,
+                        resize=image_size is not None, num_classes=num_classes or 1, compression=None,
                         shuffle_buffer=shuffle_buffer, cycle_length=cycle_length, name="tfds",
                         sizes=(n_train, n_test), rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0),
                         augment=parse_augment(augment), max_value=255.0 if uint8 else 1.0, info=record,
-                        standardize=parse_standardize(mean, std, shape[2]))
+                        standardize=parse_standardize(mean, std, shape[2]), target_shape=target_shape)
     if class_names is not None:
         source.class_names = class_names
     return source

@@ -19,6 +19,7 @@ from ._stream import (StreamSource, check_counts, check_image_size, check_label,
 from .image_folder import COLOR_MODES
 
 FORMATS = ("encoded", "raw")
+LABEL_FORMATS = ("class", "float")
 COMPRESSION = (None, "GZIP", "ZLIB")
 _PART_TYPES = (tf.string, tf.int64, tf.int64)
 
@@ -68,10 +69,15 @@ class TFRecordSource(StreamSource):
 
     def _load(self, record):
         spec = self._spec
+        if self.target_shape is None:
+            label_spec = tf.io.FixedLenFeature([], tf.int64)
+        else:
+            label_spec = tf.io.FixedLenFeature(self.target_shape, tf.float32)
         features = tf.io.parse_single_example(record, {spec["image_key"]: tf.io.FixedLenFeature([], tf.string),
-                                                       spec["label_key"]: tf.io.FixedLenFeature([], tf.int64)})
+                                                       spec["label_key"]: label_spec})
         data, label = features[spec["image_key"]], features[spec["label_key"]]
-        label = check_label(label, self.num_classes, f"a record (data.label_key={spec['label_key']!r})")
+        if self.target_shape is None:
+            label = check_label(label, self.num_classes, f"a record (data.label_key={spec['label_key']!r})")
         h, w, c = self.image_shape
         if spec["format"] == "raw":
             values = tf.io.decode_raw(data, spec["dtype"])
@@ -96,8 +102,10 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
              image_format: str = "encoded", image_shape: Sequence[int] | None = None, image_dtype: str = "uint8",
              label_key: str = "label", num_classes: int | None = None, image_size: Sequence[int] | None = None,
              color_mode: str = "rgb", shuffle_buffer: int = 1024, cycle_length: int = 4, rescale="1/255",
-             augment: Sequence[str] = (), mean=None, std=None) -> TFRecordSource:
-    """TFRecord shards of ``tf.train.Example`` records: an image feature and an int64 class-number feature.
+             augment: Sequence[str] = (), mean=None, std=None, label_format: str = "class",
+             target_shape: Sequence[int] = ()) -> TFRecordSource:
+    """TFRecord shards of ``tf.train.Example`` records: an image feature and a label feature (int64 class
+    numbers, or float targets).
 
     Args:
         train_files, test_files: a glob or a list of globs.
@@ -106,7 +114,9 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
         image_format: ``encoded`` (JPEG/PNG/BMP/GIF bytes, decoded with ``color_mode``) or ``raw`` (the bytes of
             an array of ``image_dtype`` and ``image_shape`` ``[h, w, c]``).
         label_key: the label feature (int64 class numbers ``0 .. num_classes - 1``).
-        num_classes: the number of classes (required: shards are not read through to count them).
+        num_classes: the number of classes (required for class labels: shards are not read through to count).
+        label_format: ``class`` (int64 class numbers) or ``float`` (float targets of ``target_shape`` per example,
+            ``[]``: one value; the model then regresses them: mean squared error, metric ``mae``).
         image_size: ``[height, width]`` every image is resized to; ``None``: the first record's size.
         shuffle_buffer: records shuffled together (a window of the interleaved stream; 1: no shuffle).
         cycle_length: shards read at once.
@@ -120,15 +130,25 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
         raise ValueError(f"data.image_format={image_format!r}: allowed: {', '.join(FORMATS)}.")
     if color_mode not in COLOR_MODES:
         raise ValueError(f"data.color_mode={color_mode!r}: allowed: {', '.join(COLOR_MODES)}.")
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+    if label_format not in LABEL_FORMATS:
+        raise ValueError(f"data.label_format={label_format!r}: allowed: {', '.join(LABEL_FORMATS)}.")
+    floats = label_format == "float"
+    if floats:
+        target_shape = list(target_shape or [])
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in target_shape):
+            raise ValueError(f"data.target_shape={target_shape!r}: the shape of one example's targets, integers "
+                             f">= 1 ([] for one value).")
+    elif isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"data.num_classes={num_classes!r}: give the number of classes (an integer >= 1; labels "
-                         f"are 0 .. num_classes - 1).")
+                         f"are 0 .. num_classes - 1), or set data.label_format=float for float targets.")
     check_counts(shuffle_buffer=shuffle_buffer, cycle_length=cycle_length)
     try:
         dtype = tf.as_dtype(image_dtype)
     except TypeError:
         raise ValueError(f"data.image_dtype={image_dtype!r}: not a dtype (uint8, float32, ...).") from None
-    spec = {"image_key": image_key, "label_key": label_key, "format": image_format, "dtype": dtype}
+    spec = {"image_key": image_key, "label_key": label_key, "format": image_format, "dtype": dtype,
+            "label_kinds": ("float_list", "int64_list") if floats else ("int64_list",),
+            "label_size": int(np.prod(target_shape)) if floats else 1}
     if image_format == "raw":
         if image_shape is None or len(image_shape) != 3 or any(not isinstance(d, int) or d < 1 for d in image_shape):
             raise ValueError(f"data.image_shape={image_shape!r}: raw images need their shape [height, width, "
@@ -145,10 +165,12 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
         size = [int(decoded.shape[0]), int(decoded.shape[1])]
     uint8 = image_format == "encoded" or dtype == tf.uint8
     info = {"train_files": train, "test_files": test, "image_key": image_key, "label_key": label_key}
-    return TFRecordSource(train, test, spec, (*size, channels), image_size is not None, num_classes, compression,
-                          shuffle_buffer, cycle_length, rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0),
-                          augment=parse_augment(augment), max_value=255.0 if uint8 else 1.0, info=info,
-                          standardize=parse_standardize(mean, std, channels))
+    return TFRecordSource(train, test, spec, (*size, channels), image_size is not None, num_classes or 1,
+                          compression, shuffle_buffer, cycle_length,
+                          rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0), augment=parse_augment(augment),
+                          max_value=255.0 if uint8 else 1.0, info=info,
+                          standardize=parse_standardize(mean, std, channels),
+                          target_shape=target_shape if floats else None)
 
 
 def _parts(files) -> tuple[list[str], list[int], list[int]]:
@@ -188,15 +210,23 @@ def _check_first_record(path: str, key: str, spec: dict, compression) -> bytes:
     features = example.features.feature
     held = {name: f.WhichOneof("kind") for name, f in features.items()}
     have = ", ".join(f"{n} ({k})" for n, k in sorted(held.items())) or "none"
-    for role, name, kind in (("image_key", spec["image_key"], "bytes_list"), ("label_key", spec["label_key"],
-                                                                             "int64_list")):
+    for role, name, kinds in (("image_key", spec["image_key"], ("bytes_list",)),
+                              ("label_key", spec["label_key"], spec["label_kinds"])):
         if name not in held:
             raise ValueError(f"data.{role}={name!r}: the records of {path!r} have no feature {name!r}; they have: "
                              f"{have}.")
-        if held[name] != kind:
+        if held[name] not in kinds:
+            floats = "float_list" in spec["label_kinds"]
             what = ("encoded image bytes or a raw array's bytes" if role == "image_key" else
-                    "int64 class numbers (float targets are not supported: the models here are classifiers)")
-            raise ValueError(f"data.{role}={name!r}: in {path!r} it is a {held[name]}, expected {kind} ({what}).")
+                    "float targets" if floats else
+                    "int64 class numbers; for float targets set data.label_format=float")
+            raise ValueError(f"data.{role}={name!r}: in {path!r} it is a {held[name]}, expected "
+                             f"{' or '.join(kinds)} ({what}).")
+    label = getattr(features[spec["label_key"]], held[spec["label_key"]]).value
+    if len(label) != spec["label_size"]:
+        raise ValueError(f"data.label_key={spec['label_key']!r}: a record of {path!r} holds {len(label)} value(s); "
+                         f"expected {spec['label_size']}" + (" (data.target_shape)" if "float_list" in
+                                                              spec["label_kinds"] else " (one class number)") + ".")
     data = features[spec["image_key"]].bytes_list.value[0]
     if spec["format"] == "raw":
         need = int(np.prod(spec["shape"])) * spec["dtype"].size

@@ -21,6 +21,8 @@ def metric_direction(*, _root_) -> str:
     if not isinstance(target, str):
         raise ValueError("metric_direction: the config has no data._target_ to read the metric from; set "
                          "hydra.sweeper.direction=maximize or minimize.")
+    if OmegaConf.select(_root_, "data.label_format") == "float":  # float targets: mean absolute error
+        return "minimize"
     return direction_of(target)
 
 
