@@ -470,23 +470,10 @@ def test_worker_shard_follows_the_replica_ids_of_this_process():
 
 @pytest.mark.slow  # ~30-60 s: two worker processes and a one-device run
 def test_two_workers_on_an_image_folder_train_like_one_device(tmp_path):
-    from test_distribute_config import free_ports
-
     root = write_folder(tmp_path / "imgs", per_class=8)
     args = ["data=image_folder", f"data.path={root}", "data.augment=[flip]", "model=mlp", "model.hidden=[16]",
             "train=smoke", "train.steps=3", "batch=16", "train.eval_every=3", "train.verify_exact=false"]
-    cluster = {"worker": [f"localhost:{p}" for p in free_ports(2)]}
-    env = {**ENV, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "runner", *args, "distribute=multi_worker", f"hydra.run.dir={tmp_path / f'w{i}'}"],
-        cwd=ROOT, env={**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        results = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    results = two_workers(args, tmp_path)
     assert "data: this worker loads rows 0..7 of each batch of 16" in "".join(results[0])
     assert "data: this worker loads rows 8..15 of each batch of 16" in "".join(results[1])
     one = runner(*args, f"hydra.run.dir={tmp_path / 'one'}")
@@ -539,3 +526,39 @@ def test_a_keras_application_follows_an_image_folder_and_leaves_a_loadable_model
     model = keras.models.load_model(out / "model.keras")
     assert model.input_shape == (None, 12, 10, 3) and model.output_shape == (None, 4)  # the data's, not the config's
     assert (out / "model.best.keras").is_file()
+
+
+def two_workers(args, folder, resume=None, timeout=300):
+    """Run `args` as a two-worker cluster on localhost, worker i in `folder`/w<i> (both workers resume the chief's
+    folder `resume` when given)."""
+    from test_distribute_config import free_ports
+
+    cluster = {"worker": [f"localhost:{p}" for p in free_ports(2)]}
+    env = {**ENV, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "runner", *args, "distribute=multi_worker",
+         f"resume={resume}" if resume else f"hydra.run.dir={folder / f'w{i}'}"],
+        cwd=ROOT, env={**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        results = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    return results
+
+
+@pytest.mark.slow  # ~1-3 min: three two-worker runs
+def test_a_resumed_two_worker_run_on_an_image_folder_equals_the_uninterrupted_one(tmp_path):
+    root = write_folder(tmp_path / "imgs", per_class=8)
+    args = ["data=image_folder", f"data.path={root}", "data.augment=[flip,translate:2]", "model=mlp",
+            "model.hidden=[16]", "train=smoke", "batch=16", "train.verify_exact=false", "train.checkpoint_every=2",
+            "train.eval_every=0"]
+    two_workers([*args, "train.steps=5"], tmp_path / "whole")
+    two_workers([*args, "train.steps=2"], tmp_path / "part")
+    two_workers([*args, "train.steps=5"], None, resume=tmp_path / "part" / "w0")
+    whole = json.loads((tmp_path / "whole" / "w0" / "metrics.json").read_text())
+    resumed = json.loads((tmp_path / "part" / "w0" / "metrics.json").read_text())
+    assert resumed["step"] == whole["step"] == 5
+    assert resumed["loss"] == whole["loss"] and resumed["eval_loss"] == whole["eval_loss"]  # bit for bit
