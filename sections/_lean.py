@@ -31,7 +31,8 @@ __all__ = ["lean_scope", "lean_active", "LEAN_LAYERS", "gradient_traces"]
 _state = threading.local()
 _installed: dict = {}
 # Python-side count of lean gradients built (at trace time), per kind: tests read it to prove the lean path ran.
-_traces = {"batch_norm": 0, "activation": 0}
+_traces = {"batch_norm": 0, "recomputed": 0, "activation": 0}
+_recipes: dict = {}  # output.ref() -> how to re-make it, for producers called inside the current lean_scope
 
 
 def gradient_traces() -> dict:
@@ -53,6 +54,8 @@ def lean_scope(enabled: bool = True):
         yield
     finally:
         _state.on = before
+        if not before:
+            _recipes.clear()
 
 
 # ---------------------------------------------------------------------------------------------- batch norm
@@ -62,7 +65,7 @@ def _batch_norm_call(layer, original, inputs, training=None, mask=None):
             or layer._reduction_axes is None):
         return NotImplemented
     x = tf.convert_to_tensor(inputs)
-    if not x.dtype.is_floating:
+    if not x.dtype.is_floating or x.shape.rank is None:
         return NotImplemented
     stats_dtype = tf.float64 if x.dtype == tf.float64 else tf.float32  # Keras: result_type(x, "float32")
     axes = list(layer._reduction_axes)
@@ -74,49 +77,81 @@ def _batch_norm_call(layer, original, inputs, training=None, mask=None):
     layer.moving_mean.assign(moving_mean * layer.momentum + mean * (1.0 - layer.momentum))
     layer.moving_variance.assign(moving_variance * layer.momentum + variance * (1.0 - layer.momentum))
     params = [keras.ops.cast(p, stats_dtype) for p in (layer.gamma if layer.scale else None,
-                                               layer.beta if layer.center else None) if p is not None]
+                                                      layer.beta if layer.center else None) if p is not None]
     out_dtype = tf.as_dtype(keras.backend.standardize_dtype(layer.compute_dtype))
-    fn = _lean_batch_norm(axes, layer.axis, layer.epsilon, layer.scale, layer.center, stats_dtype, out_dtype)
+    count = tf.cast(tf.size(x, tf.int64) // tf.size(mean, tf.int64), stats_dtype)
+    fn = _lean_batch_norm(axes, layer.axis, layer.epsilon, layer.scale, layer.center, stats_dtype, out_dtype,
+                          x.shape.rank, x.dtype, count, _recipes.get(x.ref()))
     return fn(x, mean, variance, *params)
 
 
-def _lean_batch_norm(axes, axis, epsilon, has_scale, has_center, stats_dtype, out_dtype):
-    def affine(x, mean, variance, gamma, beta):
-        # Keras's forward op for op: ops.batch_normalization on the float32 (or float64) copy, then the cast.
-        y = keras.ops.batch_normalization(tf.cast(x, stats_dtype), mean, variance, axis=axis, offset=beta,
-                                          scale=gamma, epsilon=epsilon)
-        return tf.cast(y, out_dtype)
+def _lean_batch_norm(axes, axis, epsilon, has_scale, has_center, stats_dtype, out_dtype, rank, in_dtype, count,
+                     recompute):
+    """The batch norm as a custom-gradient function of ``(x, mean, variance, [gamma], [beta])``.
+
+    ``recompute``: a function re-making ``x`` from its producer's input (a convolution or dense layer whose own
+    gradient keeps that input anyway); then the backward keeps no input-sized tensor of its own."""
 
     @tf.custom_gradient
     def batch_norm(x, mean, variance, *params):
         gamma = params[0] if has_scale else None
         beta = params[-1] if has_center else None
-        y = affine(x, mean, variance, gamma, beta)
+        # Keras's forward op for op: ops.batch_normalization on the float32 (or float64) copy, then the cast.
+        y = keras.ops.batch_normalization(tf.cast(x, stats_dtype), mean, variance, axis=axis, offset=beta,
+                                          scale=gamma, epsilon=epsilon)
+        y = tf.cast(y, out_dtype)
+        kept = None if recompute is not None else x  # the grad closes over nothing input-sized but this
 
         def grad(dy):
             _traces["batch_norm"] += 1
-            shape = [1] * x.shape.rank
-            shape[axis] = -1
-            m, v = tf.reshape(mean, shape), tf.reshape(variance, shape)
-            inv_std = tf.math.rsqrt(v + tf.constant(epsilon, stats_dtype))  # not via float32
-            dy32 = tf.cast(dy, stats_dtype)
-            x_hat = (tf.cast(x, stats_dtype) - m) * inv_std
-            count = tf.cast(tf.size(x, tf.int64) // tf.size(mean, tf.int64), stats_dtype)
-            sum_dy = tf.reduce_sum(dy32, axes, keepdims=True)
-            sum_dy_xhat = tf.reduce_sum(dy32 * x_hat, axes, keepdims=True)
-            scale = inv_std if gamma is None else inv_std * tf.reshape(gamma, shape)
-            dx = (dy32 - (sum_dy + x_hat * sum_dy_xhat) / count) * scale
-            del x_hat
-            grads = [tf.cast(dx, x.dtype), None, None]
-            if has_scale:
-                grads.append(tf.reshape(sum_dy_xhat, [-1]))
-            if has_center:
-                grads.append(tf.reshape(sum_dy, [-1]))
+            # Everything waits for dy: else the executor may run it (and hold its result) during the forward.
+            with tf.control_dependencies([dy]):
+                if kept is None:
+                    _traces["recomputed"] += 1
+                    source = recompute()
+                else:
+                    source = tf.identity(kept)
+                shape = [1] * rank
+                shape[axis] = -1
+                m, v = tf.reshape(mean, shape), tf.reshape(variance, shape)
+                inv_std = tf.math.rsqrt(v + tf.constant(epsilon, stats_dtype))  # not via float32
+                dy32 = tf.cast(dy, stats_dtype)
+                x_hat = (tf.cast(source, stats_dtype) - m) * inv_std
+                del source
+                sum_dy = tf.reduce_sum(dy32, axes, keepdims=True)
+                sum_dy_xhat = tf.reduce_sum(dy32 * x_hat, axes, keepdims=True)
+                scale = inv_std if gamma is None else inv_std * tf.reshape(gamma, shape)
+                dx = (dy32 - (sum_dy + x_hat * sum_dy_xhat) / count) * scale
+                del x_hat
+                grads = [tf.cast(dx, in_dtype), None, None]
+                if has_scale:
+                    grads.append(tf.reshape(sum_dy_xhat, [-1]))
+                if has_center:
+                    grads.append(tf.reshape(sum_dy, [-1]))
             return grads
 
         return y, grad
 
     return batch_norm
+
+
+# ---------------------------------------------------------------------------------------------- producers
+def _producer_call(layer, original, inputs, *args, **kwargs):
+    """Run a convolution or dense layer as Keras does and note how to re-make its output from its input (its
+    own gradient keeps that input): a batch norm reading the output then keeps nothing input-sized."""
+    if not _floating(inputs):
+        return NotImplemented
+    out = original(layer, inputs, *args, **kwargs)
+    if _floating(out):
+        scope = keras.src.backend.get_autocast_scope()  # re-entered so the re-run casts variables alike
+        dtype = None if scope is None else scope.dtype
+
+        def recompute():
+            with keras.src.backend.AutocastScope(dtype) if dtype is not None else contextlib.nullcontext():
+                return original(layer, inputs, *args, **kwargs)
+
+        _recipes[out.ref()] = recompute
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- activations
@@ -143,7 +178,8 @@ def _softplus(x):
 
         def grad(dy):
             _traces["activation"] += 1
-            return dy * -tf.math.expm1(-y)  # sigmoid(x) = 1 - exp(-softplus(x))
+            with tf.control_dependencies([dy]):
+                return dy * -tf.math.expm1(-y)  # sigmoid(x) = 1 - exp(-softplus(x))
 
         return y, grad
 
@@ -185,6 +221,11 @@ def _activation_layer_call(layer, original, inputs, **kwargs):
 
 LEAN_LAYERS = {
     keras.layers.BatchNormalization: _batch_norm_call,
+    keras.layers.Conv1D: _producer_call,
+    keras.layers.Conv2D: _producer_call,
+    keras.layers.Conv3D: _producer_call,
+    keras.layers.DepthwiseConv2D: _producer_call,
+    keras.layers.Dense: _producer_call,
     keras.layers.LeakyReLU: _leaky_layer_call,
     keras.layers.ReLU: _relu_layer_call,
     keras.layers.Activation: _activation_layer_call,
