@@ -33,6 +33,7 @@ _installed: dict = {}
 # Python-side count of lean gradients built (at trace time), per kind: tests read it to prove the lean path ran.
 _traces = {"batch_norm": 0, "recomputed": 0, "activation": 0}
 _recipes: dict = {}  # output.ref() -> how to re-make it, for producers called inside the current lean_scope
+REMAKE_PRODUCERS = True  # False: a batch norm after a producer keeps its input too (benchmarks compare both)
 
 
 def gradient_traces() -> dict:
@@ -81,7 +82,7 @@ def _batch_norm_call(layer, original, inputs, training=None, mask=None):
     out_dtype = tf.as_dtype(keras.backend.standardize_dtype(layer.compute_dtype))
     count = tf.cast(tf.size(x, tf.int64) // tf.size(mean, tf.int64), stats_dtype)
     fn = _lean_batch_norm(axes, layer.axis, layer.epsilon, layer.scale, layer.center, stats_dtype, out_dtype,
-                          x.shape.rank, x.dtype, count, _recipes.get(x.ref()))
+                          x.shape.rank, x.dtype, count, _recipes.get(x.ref()) if REMAKE_PRODUCERS else None)
     return fn(x, mean, variance, *params)
 
 
@@ -116,13 +117,14 @@ def _lean_batch_norm(axes, axis, epsilon, has_scale, has_center, stats_dtype, ou
                 m, v = tf.reshape(mean, shape), tf.reshape(variance, shape)
                 inv_std = tf.math.rsqrt(v + tf.constant(epsilon, stats_dtype))  # not via float32
                 dy32 = tf.cast(dy, stats_dtype)
-                x_hat = (tf.cast(source, stats_dtype) - m) * inv_std
+                centered = tf.cast(source, stats_dtype) - m
                 del source
                 sum_dy = tf.reduce_sum(dy32, axes, keepdims=True)
-                sum_dy_xhat = tf.reduce_sum(dy32 * x_hat, axes, keepdims=True)
-                scale = inv_std if gamma is None else inv_std * tf.reshape(gamma, shape)
-                dx = (dy32 - (sum_dy + x_hat * sum_dy_xhat) / count) * scale
-                del x_hat
+                sum_dy_xhat = tf.reduce_sum(dy32 * centered, axes, keepdims=True) * inv_std
+                a = inv_std if gamma is None else inv_std * tf.reshape(gamma, shape)
+                # dx = a * (dy - mean(dy) - x_hat * mean(dy * x_hat)), per-channel factors folded first
+                dx = dy32 * a + centered * (-a * inv_std * sum_dy_xhat / count) - a * sum_dy / count
+                del centered
                 grads = [tf.cast(dx, in_dtype), None, None]
                 if has_scale:
                     grads.append(tf.reshape(sum_dy_xhat, [-1]))
