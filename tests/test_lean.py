@@ -191,8 +191,9 @@ def float64_batch(n=8):
             "label": tf.constant(rng.integers(0, 3, size=n), tf.int64)}
 
 
-@pytest.mark.parametrize("factory,sections", [(small_resnet, 3), (keras_functional, ["a1", "pool"])],
-                         ids=["resnet", "from_keras"])
+@pytest.mark.parametrize("factory,sections", [
+    pytest.param(small_resnet, 3, marks=pytest.mark.slow),  # ~6 s; the fast set's equivalence tests run lean too
+    (keras_functional, ["a1", "pool"])], ids=["resnet", "from_keras"])
 def test_whole_models_with_lean_gradients_equal_a_plain_step_in_float64(factory, sections):
     use("float64")
     batch = float64_batch()
@@ -233,6 +234,7 @@ def test_lean_off_builds_no_lean_gradient_and_both_equal_the_reference():
         assert relative_error([v.numpy() for v in trained.variables], want) <= 1e-5
 
 
+@pytest.mark.slow  # ~6 s each; the layer tests above cover both mixed policies in the fast set
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_mixed_precision_engine_with_lean_gradients_equals_lean_off(policy):
     use(policy)
