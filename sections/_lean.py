@@ -144,7 +144,7 @@ def _producer_call(layer, original, inputs, *args, **kwargs):
     if not _floating(inputs):
         return NotImplemented
     out = original(layer, inputs, *args, **kwargs)
-    if _floating(out):
+    if _floating(out) and not layer.non_trainable_weights:  # no state a re-run outside the replay could read
         scope = keras.src.backend.get_autocast_scope()  # re-entered so the re-run casts variables alike
         dtype = None if scope is None else scope.dtype
 
