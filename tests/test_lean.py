@@ -166,7 +166,6 @@ def small_resnet():
 
 def keras_functional():
     """A Functional model cut by from_keras: conv, batch norm, leaky ReLU, a residual add and a dense batch norm."""
-    keras.utils.set_random_seed(5)
     inp = keras.Input((8, 8, 2), name="image")
     h = keras.layers.Conv2D(4, 3, padding="same", name="c1")(inp)
     h = keras.layers.BatchNormalization(name="b1")(h)
