@@ -24,7 +24,7 @@ class EngineConfig:
     check: bool = False  # compare the sectioned gradients with whole-graph ones
     memory_budget: Any = None  # bytes (int) or a size like "2GiB"; used by sections=auto
     probe_batch: Optional[int] = None  # examples the planner's per-block probe runs; null: the real batch
-    lean: bool = True  # batch norm / leaky ReLU / softplus with gradients that keep less (same math); baselines ignore it
+    lean: bool = True  # batch norm, leaky ReLU, softplus with gradients that keep less (same math); baselines ignore
 
 
 @dataclass

@@ -4,8 +4,8 @@ One process holds ``whole`` (a plain GradientTape step) and, at each partition, 
 gradients off and on; every engine steps in turn, round by round, so CPU contention lands on all alike. Printed
 per job: the step's peak (largest of all rounds), the largest section's backward peak, and the median step time
 (rounds 2..), each also as a ratio to ``whole`` and lean on to lean off. Peaks are the job's own: what the step
-added to the memory resident before it (other jobs' weights and optimizer slots), plus its own weights and slots. ``--model resnet``: the notebook ResNet
-(28x28x1); ``--model ResNet50`` (or any keras.applications name): built for 96x96x3, ``weights=None``, cut by
+added to the memory resident before it (other jobs' weights and optimizer slots), plus its own weights and slots.
+``--model resnet``: the notebook ResNet (28x28x1); ``--model ResNet50`` (or any keras.applications name): built for 96x96x3, ``weights=None``, cut by
 ``from_keras``. ``--budgets`` adds ``sections="auto"`` at fractions of whole's peak, lean off and on.
 
     PYTHONPATH=. python docs/bench/lean/lean.py --model resnet --batch 1024 --cuts 4,13 --rounds 4
