@@ -5,11 +5,11 @@ gradients off and on; every engine steps in turn, round by round, so CPU content
 per job: the step's peak (largest of all rounds), the largest section's backward peak, and the median step time
 (rounds 2..), each also as a ratio to ``whole`` and lean on to lean off. Peaks are the job's own: what the step
 added to the memory resident before it (other jobs' weights and optimizer slots), plus its own weights and slots.
-``--model resnet``: the notebook ResNet (28x28x1); ``--model ResNet50`` (or any keras.applications name): built for 96x96x3, ``weights=None``, cut by
-``from_keras``. ``--budgets`` adds ``sections="auto"`` at fractions of whole's peak, lean off and on.
+``--model resnet``: the notebook ResNet (28x28x1); ``--model ResNet50`` (or any keras.applications name): built
+for 96x96x3, ``weights=None``, cut by ``from_keras``. ``--budgets`` adds ``sections="auto"`` at fractions of whole's peak, lean off and on.
 
     PYTHONPATH=. python docs/bench/lean/lean.py --model resnet --batch 1024 --cuts 4,13 --rounds 4
-    PYTHONPATH=. python docs/bench/lean/lean.py --model ResNet50 --batch 96 --cuts 4 --rounds 3
+    PYTHONPATH=. python docs/bench/lean/lean.py --model ResNet50 --batch 48 --cuts 4,13 --rounds 4
 """
 import argparse
 import statistics
