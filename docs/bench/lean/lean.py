@@ -6,7 +6,8 @@ per job: the step's peak (largest of all rounds), the largest section's backward
 (rounds 2..), each also as a ratio to ``whole`` and lean on to lean off. Peaks are the job's own: what the step
 added to the memory resident before it (other jobs' weights and optimizer slots), plus its own weights and slots.
 ``--model resnet``: the notebook ResNet (28x28x1); ``--model ResNet50`` (or any keras.applications name): built
-for 96x96x3, ``weights=None``, cut by ``from_keras``. ``--budgets`` adds ``sections="auto"`` at fractions of whole's peak, lean off and on.
+for 96x96x3, ``weights=None``, cut by ``from_keras``. ``--budgets`` adds ``sections="auto"`` at fractions of
+whole's peak, lean off and on.
 
     PYTHONPATH=. python docs/bench/lean/lean.py --model resnet --batch 1024 --cuts 4,13 --rounds 4
     PYTHONPATH=. python docs/bench/lean/lean.py --model ResNet50 --batch 48 --cuts 4,13 --rounds 4
