@@ -8,6 +8,9 @@ and the temporaries it makes change, with the same math (equal within rounding):
   computes the input's gradient in closed form, ``gamma / sigma * (dy - mean(dy) - x_hat * mean(dy * x_hat))``,
   where TensorFlow differentiates the moments and the affine step op by op (several input-sized temporaries
   at once). Renorm, synchronized statistics, a mask, a frozen layer or inference mode: Keras's own call.
+* A batch norm whose input a ``Conv1D/2D/3D``, ``DepthwiseConv2D`` or ``Dense`` layer made (inside the same
+  scope) keeps nothing input-sized: its backward re-runs that layer's ``call`` on the layer's input, which the
+  layer's own gradient keeps anyway (one more forward of that layer per step).
 * ``LeakyReLU`` (and ``Activation``/``ReLU`` computing a leaky ReLU) and ``softplus``: the derivative from the
   output (TensorFlow's keeps the input, a tensor nothing else may need). ReLU, ReLU6, sigmoid, tanh, ELU and
   SELU already differentiate from their output in TensorFlow: nothing to gain, left alone.
@@ -32,13 +35,20 @@ _state = threading.local()
 _installed: dict = {}
 # Python-side count of lean gradients built (at trace time), per kind: tests read it to prove the lean path ran.
 _traces = {"batch_norm": 0, "recomputed": 0, "activation": 0}
-_recipes: dict = {}  # output.ref() -> how to re-make it, for producers called inside the current lean_scope
 REMAKE_PRODUCERS = True  # False: a batch norm after a producer keeps its input too (benchmarks compare both)
 
 
 def gradient_traces() -> dict:
-    """How many lean gradient graphs were built so far, per kind (``batch_norm``, ``activation``)."""
+    """How many lean gradient graphs were built so far: ``batch_norm``, of which ``recomputed`` re-make their
+    input, and ``activation``."""
     return dict(_traces)
+
+
+def _recipes() -> dict:
+    """``output.ref() -> how to re-make it``, for producers called inside this thread's current lean_scope."""
+    if not hasattr(_state, "recipes"):
+        _state.recipes = {}
+    return _state.recipes
 
 
 def lean_active() -> bool:
@@ -56,7 +66,7 @@ def lean_scope(enabled: bool = True):
     finally:
         _state.on = before
         if not before:
-            _recipes.clear()
+            _recipes().clear()
 
 
 # ---------------------------------------------------------------------------------------------- batch norm
@@ -82,7 +92,7 @@ def _batch_norm_call(layer, original, inputs, training=None, mask=None):
     out_dtype = tf.as_dtype(keras.backend.standardize_dtype(layer.compute_dtype))
     count = tf.cast(tf.size(x, tf.int64) // tf.size(mean, tf.int64), stats_dtype)
     fn = _lean_batch_norm(axes, layer.axis, layer.epsilon, layer.scale, layer.center, stats_dtype, out_dtype,
-                          x.shape.rank, x.dtype, count, _recipes.get(x.ref()) if REMAKE_PRODUCERS else None)
+                          x.shape.rank, x.dtype, count, _recipes().get(x.ref()) if REMAKE_PRODUCERS else None)
     return fn(x, mean, variance, *params)
 
 
@@ -152,7 +162,7 @@ def _producer_call(layer, original, inputs, *args, **kwargs):
             with keras.src.backend.AutocastScope(dtype) if dtype is not None else contextlib.nullcontext():
                 return original(layer, inputs, *args, **kwargs)
 
-        _recipes[out.ref()] = recompute
+        _recipes()[out.ref()] = recompute
     return out
 
 
