@@ -53,9 +53,14 @@ SCHEDULES = [
 FAST_SCHEDULES = [pytest.param(kw, marks=pytest.mark.slow) if i in (1, 3) else kw for i, kw in enumerate(SCHEDULES)]
 
 
-@pytest.mark.parametrize("kw", FAST_SCHEDULES, ids=["recompute", "store", "recreate", "one_graph"])
+@pytest.mark.parametrize("kw", FAST_SCHEDULES + [dict(sections=3, lean=True)],
+                         ids=["recompute", "store", "recreate", "one_graph", "recompute-lean"])
 def test_sectioned_step_under_a_strategy_equals_a_whole_graph_step_under_it(kw):
-    """Batch norm (per-replica statistics), dropout, a stochastic gate and a tuple border with an int tensor."""
+    """Batch norm (per-replica statistics), dropout, a stochastic gate and a tuple border with an int tensor.
+
+    With Keras's own gradients (``lean=False``) the step is bit-identical to the whole-graph step; lean batch-norm
+    gradients round differently, so that case is compared within float32 rounding."""
+    kw = {"lean": False, **kw}
     st, data = strategy(), batches()
     a, engine = trained(Engine, hard_network, st, data, **kw)
     b, whole = trained(WholeGraph, hard_network, st, data)
@@ -63,7 +68,15 @@ def test_sectioned_step_under_a_strategy_equals_a_whole_graph_step_under_it(kw):
         vb.assign(va)
     for batch in data:
         got, want = engine.train_step(batch), whole.train_step(batch)
-        assert got["loss"] == want["loss"]
+        if kw["lean"]:
+            np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+        else:
+            assert got["loss"] == want["loss"]
+    if kw["lean"]:  # all variables as one vector: Adam magnifies rounding in near-zero gradients elementwise
+        diff = np.sqrt(sum(np.sum((va.numpy() - vb.numpy()) ** 2.0) for va, vb in zip(a.variables, b.variables)))
+        size = np.sqrt(sum(np.sum(vb.numpy() ** 2.0) for vb in b.variables))
+        assert diff / size <= 1e-5, diff / size
+        return
     for va, vb in zip(a.variables, b.variables):
         np.testing.assert_array_equal(va.numpy(), vb.numpy(), err_msg=va.path)
     assert engine.evaluate(data[0]) == whole.evaluate(data[0])

@@ -160,7 +160,10 @@ def test_sectioned_steps_equal_a_plain_loop_at_the_same_precision(precision, ini
     policy(precision)
     layers = make_layers()
     optimizer = make_optimizer(precision, scale)
-    engine = Engine(network(layers), optimizer, sections=4, policy=POLICY, check=True)
+    # Keras's own batch-norm gradient, as the reference's: lean gradients round differently, which in float16
+    # moved the stem kernel's update 2.1% (both it and the plain loop are 88.5% from a float32 run there);
+    # tests/test_lean.py compares them in both mixed policies.
+    engine = Engine(network(layers), optimizer, sections=4, policy=POLICY, check=True, lean=False)
     engine.build(batches[0])
     start = [np.array(v) for v in variables(layers)]
     losses, scales = [], []

@@ -56,6 +56,7 @@ class EngineConfig:
     jit_compile: bool
     check: bool
     memory_budget: Any
+    lean: bool
     probe_batch: Optional[int]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from ..backend.lean import lean_scope
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import Replicas, local_size
 from ..backend.structure import float_leaves
@@ -34,12 +35,14 @@ class SectionFunctions:
     ``counter`` is a ``tf.Variable`` incremented inside each compiled forward execution, so forward runs are
     counted by the code that ran, not assumed. A section's first run in a step updates its state (batch-norm
     statistics, seed generators) and returns a snapshot of the state before it; every later run reads that
-    snapshot and drops its state writes, so it computes exactly what the first run did.
+    snapshot and drops its state writes, so it computes exactly what the first run did. ``lean``: every run
+    traces its layers inside ``lean_scope`` (batch norm and some activations with gradients that keep less).
     """
 
     def __init__(self, network, section, counter: tf.Variable, jit_compile: bool = False, tol: float = 1e-4,
-                 scale_loss=None, replicas=None):
+                 scale_loss=None, replicas=None, lean: bool = False):
         self.network = network
+        self.lean = bool(lean)
         self.replicas = replicas or Replicas()
         # The loss the gradients are taken of (loss scaling for mixed precision, 1/replicas under a strategy).
         self.scale_loss = scale_loss or (lambda loss: loss)
@@ -105,7 +108,8 @@ class SectionFunctions:
     def _run(self, h, batch):
         self.counter.assign_add(1)
         sec = self.section
-        return self.network.run_blocks(h, batch, True, sec.start, sec.stop)
+        with lean_scope(self.lean):
+            return self.network.run_blocks(h, batch, True, sec.start, sec.stop)
 
     def _replaying(self, snapshot):
         # State reads come from the snapshot and state writes are dropped: batch-norm statistics update once

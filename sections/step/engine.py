@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from .. import rules
 from ..backend.profile import probe_slice, profile_blocks
+from ..backend.lean import lean_scope
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import local_size
 from ..backend.structure import nbytes
@@ -49,6 +50,9 @@ class Engine(Trainer):
             may overlap independent work across sections. Every section ``recompute`` (no ``store``,
             ``recreate`` or planner), no ``check``; ``peak_bytes`` per section reads ``None`` (only the step's
             peak is measured).
+        lean: run batch normalization (training mode), leaky ReLU and softplus layers with gradients that keep
+            less (``sections.backend.lean``): the same forward ops, the same math, equal within rounding; ``False``:
+            every layer's own Keras gradient.
         probe_batch: examples the planner's per-block probe runs (``sections="auto"`` only); default: the real
             batch (one replica's share), so its memory and time are measured, not scaled from a small slice.
         device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
@@ -68,7 +72,7 @@ class Engine(Trainer):
     def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
                  policy="recompute", jit_compile: bool = False, check: bool = False,
                  memory_budget: int | str | None = None, probe_batch: int | None = None, device: str | None = None,
-                 distribute=None, one_graph: bool = False):
+                 distribute=None, one_graph: bool = False, lean: bool = True):
         fixed = sections if isinstance(sections, Schedule) else None
         if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
             sections, policy = fixed.num_sections, list(fixed.policies)
@@ -76,6 +80,7 @@ class Engine(Trainer):
                          distribute)
         self.check = bool(check)
         self.one_graph = bool(one_graph)
+        self.lean = bool(lean)
         if self.one_graph and (check or sections == "auto" or fixed is not None):
             raise ValueError("one_graph=True compiles a fixed recompute partition into one step: it takes no "
                              "check mode, sections='auto' or Schedule.")
@@ -105,7 +110,8 @@ class Engine(Trainer):
                                  f"{missing_statistics_advice()}.")
             real = self._probe[1]
             small, _ = probe_slice(self.network, batch, self.probe_batch or real)
-            self.profiles = profile_blocks(self.network, small, real, self.meter)
+            with lean_scope(self.lean):  # the blocks measured as the sections will run them
+                self.profiles = profile_blocks(self.network, small, real, self.meter)
             self.plan = self._plan()
             schedule = self.plan.schedule
         else:
@@ -126,7 +132,7 @@ class Engine(Trainer):
 
     def _compile(self) -> None:
         self._fns = [SectionFunctions(self.network, s, c, self.jit_compile, scale_loss=self._scale_loss,
-                                      replicas=self.replicas)
+                                      replicas=self.replicas, lean=self.lean)
                      for s, c in zip(self.sections, self._counters)]
         # Sparse (embedding) gradients change length with the batch's shapes: their length is left unknown.
         self._apply = RelaxedFunction(self.replicas.wrap(self._apply_gradients), self.jit_compile, batch_args=())

@@ -38,6 +38,7 @@ class SectionedModel(keras.Model):
         check: compare each re-run's output with its first run and raise on a mismatch.
         probe_batch: examples the planner's probe runs (``sections="auto"``); default the real batch.
         one_graph: compile each step into one graph (``Engine(one_graph=True)``).
+        lean: batch norm and some activations with gradients that keep less (``Engine(lean=...)``).
         max_blocks: at most this many blocks the model is cut into (``Network.from_keras``).
 
     Create it (and the model) under ``strategy.scope()`` to train on a ``tf.distribute`` strategy's replicas.
@@ -50,13 +51,14 @@ class SectionedModel(keras.Model):
     """
 
     def __init__(self, model, sections=4, policy="recompute", memory_budget=None, check: bool = False,
-                 probe_batch: int | None = None, one_graph: bool = False, max_blocks: int = 64, name=None):
+                 probe_batch: int | None = None, one_graph: bool = False, max_blocks: int = 64, lean: bool = True,
+                 name=None):
         _check_model(model)
         super().__init__(name=name or f"sectioned_{model.name}")
         self.model = model
         self._engine_args = dict(sections=list(sections) if isinstance(sections, tuple) else sections,
                                  policy=policy, memory_budget=memory_budget, check=check,
-                                 probe_batch=probe_batch, one_graph=one_graph)
+                                 probe_batch=probe_batch, one_graph=one_graph, lean=lean)
         self.network = self._cut(model, sections, max_blocks)
         self.engine = self._new_engine(optimizer=None)  # checks sections and policy now: bad input fails here
         self.section_stats: dict | None = None

@@ -17,8 +17,10 @@ class WholeGraph(Trainer):
     strategy = "whole"
 
     def __init__(self, network, optimizer, sections=1, policy=None, jit_compile: bool = False, check: bool = False,
-                 memory_budget=None, probe_batch: int | None = None, device: str | None = None, distribute=None):
-        # policy, check and memory_budget belong to the sectioned engine; accepted so configs can switch classes.
+                 memory_budget=None, probe_batch: int | None = None, device: str | None = None, distribute=None,
+                 lean: bool = False):
+        # policy, check, memory_budget and lean belong to the sectioned engine; accepted so configs can switch
+        # classes (a baseline runs every layer's own Keras gradient).
         if sections == "auto":
             raise ValueError(f"sections='auto' plans the sectioned engine; {type(self).__name__} takes an int "
                              f"or a list of boundary names.")

@@ -1,0 +1,263 @@
+"""Lean gradients: Keras layers whose TensorFlow gradient holds more than it needs, run with one that holds less.
+
+The forward runs Keras's own ops, so outputs and state updates are bit-identical; only what the backward reads
+and the temporaries it makes change, with the same math (equal within rounding):
+
+* ``BatchNormalization`` in training mode: the gradient keeps the layer's input (in its own dtype, not the
+  float32 copy Keras makes of a float16/bfloat16 input) and the per-channel batch mean and variance, and
+  computes the input's gradient in closed form, ``gamma / sigma * (dy - mean(dy) - x_hat * mean(dy * x_hat))``,
+  where TensorFlow differentiates the moments and the affine step op by op (several input-sized temporaries
+  at once). Renorm, synchronized statistics, a mask, a frozen layer or inference mode: Keras's own call.
+* A batch norm whose input a ``Conv1D/2D/3D``, ``DepthwiseConv2D`` or ``Dense`` layer made (inside the same
+  scope) keeps nothing input-sized: its backward re-runs that layer's ``call`` on the layer's input, which the
+  layer's own gradient keeps anyway (one more forward of that layer per step).
+* ``LeakyReLU`` (and ``Activation``/``ReLU`` computing a leaky ReLU) and ``softplus``: the derivative from the
+  output (TensorFlow's keeps the input, a tensor nothing else may need). ReLU, ReLU6, sigmoid, tanh, ELU and
+  SELU already differentiate from their output in TensorFlow: nothing to gain, left alone.
+
+Lean calls apply only inside ``lean_scope()`` (the engine enters it while tracing a section's training run),
+and only to layers of exactly these classes (a subclass may change the math): outside it every layer runs its
+own ``call``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import keras
+import tensorflow as tf
+
+__all__ = ["lean_scope", "lean_active", "LEAN_LAYERS", "gradient_traces"]
+
+_state = threading.local()
+_installed: dict = {}
+# Python-side count of lean gradients built (at trace time), per kind: tests read it to prove the lean path ran.
+_traces = {"batch_norm": 0, "recomputed": 0, "activation": 0}
+REMAKE_PRODUCERS = True  # False: a batch norm after a producer keeps its input too (benchmarks compare both)
+
+
+def gradient_traces() -> dict:
+    """How many lean gradient graphs were built so far: ``batch_norm``, of which ``recomputed`` re-make their
+    input, and ``activation``."""
+    return dict(_traces)
+
+
+def _recipes() -> dict:
+    """``output.ref() -> how to re-make it``, for producers called inside this thread's current lean_scope."""
+    if not hasattr(_state, "recipes"):
+        _state.recipes = {}
+    return _state.recipes
+
+
+def lean_active() -> bool:
+    return getattr(_state, "on", False)
+
+
+@contextlib.contextmanager
+def lean_scope(enabled: bool = True):
+    """Inside it (on this thread), supported Keras layers run with lean gradients; ``enabled=False``: plain."""
+    _install()
+    before = lean_active()
+    _state.on = bool(enabled)
+    try:
+        yield
+    finally:
+        _state.on = before
+        if not before:
+            _recipes().clear()
+
+
+# ---------------------------------------------------------------------------------------------- batch norm
+def _batch_norm_call(layer, original, inputs, training=None, mask=None):
+    """``BatchNormalization.call`` with a lean gradient, or ``NotImplemented`` to run Keras's own."""
+    if (mask is not None or not training or not layer.trainable or layer.renorm or layer.synchronized
+            or layer._reduction_axes is None):
+        return NotImplemented
+    x = tf.convert_to_tensor(inputs)
+    if not x.dtype.is_floating or x.shape.rank is None:
+        return NotImplemented
+    stats_dtype = tf.float64 if x.dtype == tf.float64 else tf.float32  # Keras: result_type(x, "float32")
+    axes = list(layer._reduction_axes)
+    x_stats = tf.stop_gradient(tf.cast(x, stats_dtype))
+    # Keras's own moments (ops.moments): the same values, so the moving statistics update exactly as in Keras.
+    mean, variance = keras.ops.moments(x_stats, axes=axes)
+    moving_mean = keras.ops.cast(layer.moving_mean, stats_dtype)
+    moving_variance = keras.ops.cast(layer.moving_variance, stats_dtype)
+    layer.moving_mean.assign(moving_mean * layer.momentum + mean * (1.0 - layer.momentum))
+    layer.moving_variance.assign(moving_variance * layer.momentum + variance * (1.0 - layer.momentum))
+    params = [keras.ops.cast(p, stats_dtype) for p in (layer.gamma if layer.scale else None,
+                                                      layer.beta if layer.center else None) if p is not None]
+    out_dtype = tf.as_dtype(keras.backend.standardize_dtype(layer.compute_dtype))
+    count = tf.cast(tf.size(x, tf.int64) // tf.size(mean, tf.int64), stats_dtype)
+    fn = _lean_batch_norm(axes, layer.axis, layer.epsilon, layer.scale, layer.center, stats_dtype, out_dtype,
+                          x.shape.rank, x.dtype, count, _recipes().get(x.ref()) if REMAKE_PRODUCERS else None)
+    return fn(x, mean, variance, *params)
+
+
+def _lean_batch_norm(axes, axis, epsilon, has_scale, has_center, stats_dtype, out_dtype, rank, in_dtype, count,
+                     recompute):
+    """The batch norm as a custom-gradient function of ``(x, mean, variance, [gamma], [beta])``.
+
+    ``recompute``: a function re-making ``x`` from its producer's input (a convolution or dense layer whose own
+    gradient keeps that input anyway); then the backward keeps no input-sized tensor of its own."""
+
+    @tf.custom_gradient
+    def batch_norm(x, mean, variance, *params):
+        gamma = params[0] if has_scale else None
+        beta = params[-1] if has_center else None
+        # Keras's forward op for op: ops.batch_normalization on the float32 (or float64) copy, then the cast.
+        y = keras.ops.batch_normalization(tf.cast(x, stats_dtype), mean, variance, axis=axis, offset=beta,
+                                          scale=gamma, epsilon=epsilon)
+        y = tf.cast(y, out_dtype)
+        kept = None if recompute is not None else x  # the grad closes over nothing input-sized but this
+
+        def grad(dy):
+            _traces["batch_norm"] += 1
+            # Everything waits for dy: else the executor may run it (and hold its result) during the forward.
+            with tf.control_dependencies([dy]):
+                if kept is None:
+                    _traces["recomputed"] += 1
+                    source = recompute()
+                else:
+                    source = tf.identity(kept)
+                shape = [1] * rank
+                shape[axis] = -1
+                m, v = tf.reshape(mean, shape), tf.reshape(variance, shape)
+                inv_std = tf.math.rsqrt(v + tf.constant(epsilon, stats_dtype))  # not via float32
+                dy32 = tf.cast(dy, stats_dtype)
+                centered = tf.cast(source, stats_dtype) - m
+                del source
+                sum_dy = tf.reduce_sum(dy32, axes, keepdims=True)
+                sum_dy_xhat = tf.reduce_sum(dy32 * centered, axes, keepdims=True) * inv_std
+                a = inv_std if gamma is None else inv_std * tf.reshape(gamma, shape)
+                # dx = a * (dy - mean(dy) - x_hat * mean(dy * x_hat)), per-channel factors folded first
+                dx = dy32 * a + centered * (-a * inv_std * sum_dy_xhat / count) - a * sum_dy / count
+                del centered
+                grads = [tf.cast(dx, in_dtype), None, None]
+                if has_scale:
+                    grads.append(tf.reshape(sum_dy_xhat, [-1]))
+                if has_center:
+                    grads.append(tf.reshape(sum_dy, [-1]))
+            return grads
+
+        return y, grad
+
+    return batch_norm
+
+
+# ---------------------------------------------------------------------------------------------- producers
+def _producer_call(layer, original, inputs, *args, **kwargs):
+    """Run a convolution or dense layer as Keras does and note how to re-make its output from its input (its
+    own gradient keeps that input): a batch norm reading the output then keeps nothing input-sized."""
+    if not _floating(inputs):
+        return NotImplemented
+    out = original(layer, inputs, *args, **kwargs)
+    if _floating(out) and not layer.non_trainable_weights:  # no state a re-run outside the replay could read
+        scope = keras.src.backend.get_autocast_scope()  # re-entered so the re-run casts variables alike
+        dtype = None if scope is None else scope.dtype
+
+        def recompute():
+            with keras.src.backend.AutocastScope(dtype) if dtype is not None else contextlib.nullcontext():
+                return original(layer, inputs, *args, **kwargs)
+
+        _recipes()[out.ref()] = recompute
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- activations
+def _leaky_relu(x, slope):
+    @tf.custom_gradient
+    def leaky(x):
+        y = tf.nn.leaky_relu(x, alpha=slope)
+
+        def grad(dy):
+            _traces["activation"] += 1
+            # sign(y) == sign(x) for slope > 0; TF's LeakyReluGrad takes the slope where x <= 0, as here, and
+            # holds it as a float32 attribute (hence the cast through float32).
+            return tf.where(y > 0, dy, dy * tf.cast(slope, dy.dtype))
+
+        return y, grad
+
+    return leaky(x)
+
+
+def _softplus(x):
+    @tf.custom_gradient
+    def softplus(x):
+        y = tf.math.softplus(x)
+
+        def grad(dy):
+            _traces["activation"] += 1
+            with tf.control_dependencies([dy]):
+                return dy * -tf.math.expm1(-y)  # sigmoid(x) = 1 - exp(-softplus(x))
+
+        return y, grad
+
+    return softplus(x)
+
+
+def _lean_activation(fn, config: dict):
+    """A lean version of ``keras.activations`` function ``fn`` with its arguments, or None."""
+    if fn is keras.activations.leaky_relu or (fn is keras.activations.relu and config.get("negative_slope", 0.0) and
+                                config.get("max_value") is None and not config.get("threshold", 0.0)):
+        slope = float(config.get("negative_slope", 0.2))
+        return (lambda x: _leaky_relu(x, slope)) if slope > 0 else None
+    if fn is keras.activations.softplus:
+        return _softplus
+    return None
+
+
+def _floating(x) -> bool:
+    return isinstance(x, tf.Tensor) and x.dtype.is_floating
+
+
+def _leaky_layer_call(layer, original, inputs, **kwargs):
+    slope = float(getattr(layer, "negative_slope", 0.0))
+    if not _floating(inputs) or slope <= 0:
+        return NotImplemented
+    return _leaky_relu(inputs, slope)
+
+
+def _relu_layer_call(layer, original, inputs, **kwargs):
+    fn = _lean_activation(keras.activations.relu, {"negative_slope": layer.negative_slope,
+                                                   "max_value": layer.max_value, "threshold": layer.threshold})
+    return fn(inputs) if fn is not None and _floating(inputs) else NotImplemented
+
+
+def _activation_layer_call(layer, original, inputs, **kwargs):
+    fn = _lean_activation(layer.activation, {})
+    return fn(inputs) if fn is not None and _floating(inputs) else NotImplemented
+
+
+LEAN_LAYERS = {
+    keras.layers.BatchNormalization: _batch_norm_call,
+    keras.layers.Conv1D: _producer_call,
+    keras.layers.Conv2D: _producer_call,
+    keras.layers.Conv3D: _producer_call,
+    keras.layers.DepthwiseConv2D: _producer_call,
+    keras.layers.Dense: _producer_call,
+    keras.layers.LeakyReLU: _leaky_layer_call,
+    keras.layers.ReLU: _relu_layer_call,
+    keras.layers.Activation: _activation_layer_call,
+}
+
+
+def _install() -> None:
+    """Route each supported class's ``call`` through its lean version when ``lean_scope`` is on (once)."""
+    for cls, lean in LEAN_LAYERS.items():
+        if cls in _installed:
+            continue
+        original = cls.call
+
+        @functools.wraps(original)
+        def call(self, *args, __cls=cls, __original=original, __lean=lean, **kwargs):
+            if lean_active() and type(self) is __cls:
+                out = __lean(self, __original, *args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            return __original(self, *args, **kwargs)
+
+        _installed[cls] = original
+        cls.call = call

@@ -1,0 +1,253 @@
+"""Lean gradients (``sections.backend.lean``) against plain Keras layers, and whole models with them on.
+
+Each reference is a fresh Keras layer (or network twin) built by its first call and differentiated by an ordinary
+GradientTape, outside ``lean_scope``: it shares no code with the lean path. Gradients are compared as one vector
+(distance over the reference's size); outputs and batch-norm statistics must be bit-identical (the lean forward
+runs Keras's own ops).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from sections import Engine, Network, SectionedModel
+from sections.backend.lean import gradient_traces, lean_scope
+from engine_nets import hard_network, make_batch, reference_train, twin_networks
+
+# float32 gradients of a batch norm computed in closed form vs op by op differ by rounding (~1e-7 relative)
+TOLERANCE = {"float32": 1e-5, "float64": 1e-12, "mixed_float16": 1e-5, "mixed_bfloat16": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def float32_after():
+    policy = keras.config.dtype_policy()
+    yield
+    keras.config.set_floatx("float32")
+    keras.config.set_dtype_policy(policy)
+
+
+def use(policy: str) -> None:
+    keras.config.set_floatx("float64" if policy == "float64" else "float32")
+    keras.config.set_dtype_policy(policy)
+
+
+def relative_error(ours, theirs) -> float:
+    ours = [np.asarray(a, np.float64) for a in ours]
+    theirs = [np.asarray(b, np.float64) for b in theirs]
+    diff = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(ours, theirs)))
+    return float(diff / np.sqrt(sum(np.sum(b * b) for b in theirs)))
+
+
+def run_layers(make, x, lean: bool, steps: int = 1):
+    """Fresh layers from ``make()`` built by their first call; ``steps`` tape steps (each with its own upstream
+    gradient). Returns the last outputs, the gradients on the input and every trainable variable, and the
+    non-trainable variables' values after the steps."""
+    layers = make()
+
+    def forward(x):
+        h = x
+        for layer in layers:
+            h = layer(h, training=True) if isinstance(layer, keras.layers.BatchNormalization) else layer(h)
+        return h
+
+    @tf.function
+    def step(x, seed):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            with lean_scope(lean):
+                y = forward(x)
+            upstream = tf.random.stateless_normal(tf.shape(y), seed, dtype=tf.float32)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * upstream)
+        variables = [v for layer in layers for v in layer.trainable_variables]
+        return y, tape.gradient(loss, [x] + variables)
+
+    for i in range(steps):
+        y, grads = step(x, tf.constant([i, 7]))
+    state = [v.numpy() for layer in layers for v in layer.non_trainable_variables]
+    return y.numpy(), [g.numpy() for g in grads], state
+
+
+def bn(**kwargs):
+    return keras.layers.BatchNormalization(momentum=0.7, gamma_initializer=keras.initializers.RandomNormal(1.0, 0.3, 1),
+                                           beta_initializer=keras.initializers.RandomNormal(0.0, 0.3, 2), **kwargs)
+
+
+def conv(**kwargs):
+    return keras.layers.Conv2D(5, 3, padding="same", kernel_initializer=keras.initializers.GlorotUniform(3), **kwargs)
+
+
+def image(shape=(4, 6, 6, 3), dtype="float32"):
+    x = np.random.default_rng(0).normal(2.0, 3.0, size=shape)
+    return tf.constant(x, dtype=dtype)
+
+
+def assert_lean_equals_plain(make, x, policy, kind="batch_norm", used=True, steps=2):
+    before = gradient_traces()[kind]
+    y0, g0, s0 = run_layers(make, x, lean=False, steps=steps)
+    assert gradient_traces()[kind] == before  # the plain run never builds a lean gradient
+    y1, g1, s1 = run_layers(make, x, lean=True, steps=steps)
+    assert (gradient_traces()[kind] > before) == used
+    np.testing.assert_array_equal(y1, y0)  # the forward is Keras's own ops
+    for a, b in zip(s1, s0):
+        np.testing.assert_array_equal(a, b)  # moving statistics: the same values, updated once per call
+    assert [g.dtype for g in g1] == [g.dtype for g in g0]
+    error = relative_error(g1, g0)
+    assert error <= TOLERANCE[policy], f"relative gradient error {error:.3g}"
+
+
+@pytest.mark.parametrize("policy", ["float32", "float64", "mixed_float16", "mixed_bfloat16"])
+def test_batch_norm_after_a_convolution(policy):
+    use(policy)
+    before = gradient_traces()["recomputed"]
+    x = image(dtype="float64" if policy == "float64" else "float32")
+    assert_lean_equals_plain(lambda: [conv(), bn()], x, policy)
+    assert gradient_traces()["recomputed"] > before  # the convolution's output was re-made, not kept
+
+
+@pytest.mark.parametrize("policy", ["float32", "float64", "mixed_float16"])
+def test_batch_norm_alone(policy):
+    use(policy)
+    before = gradient_traces()["recomputed"]
+    assert_lean_equals_plain(lambda: [bn()], image(dtype="float64" if policy == "float64" else "float32"), policy)
+    assert gradient_traces()["recomputed"] == before  # nothing to re-make: it kept its input
+
+
+@pytest.mark.parametrize("kwargs", [dict(center=False), dict(scale=False), dict(center=False, scale=False),
+                                    dict(axis=1), dict(epsilon=0.5)], ids=str)
+def test_batch_norm_options(kwargs):
+    assert_lean_equals_plain(lambda: [conv(use_bias=False), bn(**kwargs)], image(), "float32")
+
+
+def test_batch_norm_on_dense_features():
+    x = tf.constant(np.random.default_rng(1).normal(1.0, 2.0, size=(8, 6)), tf.float32)
+    dense = lambda: keras.layers.Dense(4, kernel_initializer=keras.initializers.GlorotUniform(4))  # noqa: E731
+    assert_lean_equals_plain(lambda: [dense(), bn(), keras.layers.LeakyReLU(0.2)], x, "float32")
+
+
+@pytest.mark.parametrize("kwargs", [dict(renorm=True), dict(synchronized=True)], ids=str)
+def test_batch_norm_variants_fall_back_to_keras(kwargs):
+    assert_lean_equals_plain(lambda: [bn(**kwargs)], image(), "float32", used=False)
+
+
+def test_a_subclass_of_batch_norm_runs_its_own_call():
+    class Mine(keras.layers.BatchNormalization):
+        pass
+
+    assert_lean_equals_plain(lambda: [Mine()], image(), "float32", used=False)
+
+
+@pytest.mark.parametrize("layer", [
+    lambda: keras.layers.LeakyReLU(0.1),
+    lambda: keras.layers.ReLU(negative_slope=0.3),
+    lambda: keras.layers.Activation("leaky_relu"),
+    lambda: keras.layers.Activation("softplus"),
+], ids=["LeakyReLU", "ReLU(negative_slope)", "Activation(leaky_relu)", "Activation(softplus)"])
+@pytest.mark.parametrize("policy", ["float32", "float64"])
+def test_activations_from_their_output(layer, policy):
+    use(policy)
+    x = image(dtype="float64" if policy == "float64" else "float32")
+    x = tf.concat([x, tf.zeros_like(x[:1])], 0)  # exact zeros: the derivative's choice at the kink
+    assert_lean_equals_plain(lambda: [layer()], x, policy, kind="activation")
+
+
+@pytest.mark.parametrize("layer", [lambda: keras.layers.ReLU(), lambda: keras.layers.ReLU(max_value=6.0),
+                                   lambda: keras.layers.Activation("sigmoid")], ids=["relu", "relu6", "sigmoid"])
+def test_activations_that_already_keep_their_output_are_left_alone(layer):
+    assert_lean_equals_plain(lambda: [layer()], image(), "float32", kind="activation", used=False)
+
+
+# ------------------------------------------------------------------------------------------------ whole models
+def small_resnet():
+    from models import build_resnet
+
+    return build_resnet(num_classes=3, input_shape=(8, 8, 2), widths=[4, 8], depths=[1, 1], seed=0)
+
+
+def keras_functional():
+    """A Functional model cut by from_keras: conv, batch norm, leaky ReLU, a residual add and a dense batch norm."""
+    inp = keras.Input((8, 8, 2), name="image")
+    h = keras.layers.Conv2D(4, 3, padding="same", name="c1")(inp)
+    h = keras.layers.BatchNormalization(name="b1")(h)
+    h = keras.layers.LeakyReLU(0.1, name="a1")(h)
+    skip = h
+    h = keras.layers.Conv2D(4, 3, padding="same", name="c2")(h)
+    h = keras.layers.BatchNormalization(name="b2")(h)
+    h = keras.layers.Activation("softplus", name="a2")(keras.layers.Add(name="add")([h, skip]))
+    h = keras.layers.GlobalAveragePooling2D(name="pool")(h)
+    h = keras.layers.Dense(6, name="d1")(h)
+    h = keras.layers.BatchNormalization(name="b3")(h)
+    out = keras.layers.Dense(3, name="logits")(keras.layers.ReLU(negative_slope=0.2, name="a3")(h))
+    model = keras.Model(inp, out)
+    loss = lambda out, batch: tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(  # noqa: E731
+        batch["label"], out, from_logits=True))
+    return Network.from_keras(model, loss, inputs="image")
+
+
+def float64_batch(n=8):
+    rng = np.random.default_rng(0)
+    return {"image": tf.constant(rng.normal(size=(n, 8, 8, 2)), tf.float64),
+            "label": tf.constant(rng.integers(0, 3, size=n), tf.int64)}
+
+
+@pytest.mark.parametrize("factory,sections", [
+    pytest.param(small_resnet, 3, marks=pytest.mark.slow),  # ~6 s; the fast set's equivalence tests run lean too
+    (keras_functional, ["a1", "pool"])], ids=["resnet", "from_keras"])
+def test_whole_models_with_lean_gradients_equal_a_plain_step_in_float64(factory, sections):
+    use("float64")
+    batch = float64_batch()
+    ref, net = twin_networks(factory, batch)
+    before = gradient_traces()
+    reference_train(ref, [batch] * 2, keras.optimizers.SGD(0.1))
+    assert gradient_traces() == before
+    engine = Engine(net, keras.optimizers.SGD(0.1), sections=sections, lean=True)
+    for _ in range(2):
+        engine.train_step(batch)
+    assert gradient_traces()["batch_norm"] > before["batch_norm"]  # the lean path ran
+    assert gradient_traces()["recomputed"] > before["recomputed"]
+    trainable = relative_error([v.numpy() for v in net.trainable_variables],
+                               [v.numpy() for v in ref.trainable_variables])
+    assert trainable <= 1e-12
+    for a, b in zip(net.non_trainable_variables, ref.non_trainable_variables):  # statistics moved once a step
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14, err_msg=b.path)
+
+
+def test_lean_off_builds_no_lean_gradient_and_both_equal_the_reference():
+    batch = make_batch()
+    ref, net = twin_networks(hard_network, batch)
+    _, net_lean = twin_networks(hard_network, batch)
+    for a, b in zip(ref.variables, net_lean.variables):
+        b.assign(a)
+    ref_losses = reference_train(ref, [batch], keras.optimizers.Adam(1e-2))
+    before = gradient_traces()
+    off = Engine(net, keras.optimizers.Adam(1e-2), sections=2, lean=False)
+    losses_off = [off.train_step(batch)["loss"]]
+    assert gradient_traces() == before
+    on = Engine(net_lean, keras.optimizers.Adam(1e-2), sections=2)  # lean is the default
+    losses_on = [on.train_step(batch)["loss"]]
+    assert gradient_traces()["batch_norm"] > before["batch_norm"]
+    np.testing.assert_allclose(losses_off, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(losses_on, ref_losses, rtol=1e-5)
+    want = [v.numpy() for v in ref.variables]
+    for trained in (net, net_lean):
+        assert relative_error([v.numpy() for v in trained.variables], want) <= 1e-5
+
+
+@pytest.mark.slow  # ~6 s each; the layer tests above cover both mixed policies in the fast set
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_engine_with_lean_gradients_equals_lean_off(policy):
+    use(policy)
+    batch = make_batch(channels=2)
+    a, b = twin_networks(small_resnet, batch)
+    off = Engine(a, keras.optimizers.SGD(0.05), sections=2, lean=False)
+    on = Engine(b, keras.optimizers.SGD(0.05), sections=2, lean=True)
+    for _ in range(2):
+        np.testing.assert_allclose(on.train_step(batch)["loss"], off.train_step(batch)["loss"], rtol=1e-3)
+    assert relative_error([v.numpy() for v in b.variables], [v.numpy() for v in a.variables]) <= 1e-3
+
+
+def test_sectioned_model_passes_lean_to_its_engine():
+    inp = keras.Input((4,))
+    model = keras.Model(inp, keras.layers.Dense(2, name="out")(keras.layers.Dense(3, name="hidden")(inp)))
+    assert SectionedModel(model, sections=1, lean=False).engine.lean is False
+    assert SectionedModel(model, sections=1).engine.lean is True
