@@ -23,7 +23,7 @@ import numpy as np
 
 from .rules import human_bytes
 from ._policies import Recompute, Recreate, Store
-from ._schedule import Schedule
+from ._schedule import Schedule, count_forward_runs
 
 _INF = float("inf")
 
@@ -46,6 +46,7 @@ class Plan:
     budget: int
     base_bytes: int
     forward_runs: tuple
+    leaves: tuple = ()  # (start, stop) block spans run as re-run sections (measured by plan_measured)
 
     @property
     def starts(self) -> list:
@@ -62,9 +63,15 @@ class Plan:
 
 
 class _Chain:
-    """Prefix sums over blocks, so any run of blocks gets its costs in O(1)."""
+    """Prefix sums over blocks, so any run of blocks gets its costs in O(1).
 
-    def __init__(self, profiles, input_bytes: int):
+    ``measured``: activation bytes of whole sections ``{(s, t): bytes}`` measured as one compiled run (the
+    probe's ``SectionProbe``); a section not measured is estimated from its blocks' figures times
+    ``calibration``. ``grads``: each block's gradient bytes; the gradients of blocks after a segment are held
+    while it is trained.
+    """
+
+    def __init__(self, profiles, input_bytes: int, measured=None, grads=None, calibration: float = 1.0):
         self.n = len(profiles)
         self.border = [input_bytes] + [p.output_bytes for p in profiles]   # border i enters block i
         self.border[-1] = 0  # the loss: no gradient waits at the end of the chain
@@ -72,14 +79,24 @@ class _Chain:
         self._stored = np.cumsum([0] + [p.stored_bytes for p in profiles])
         self._fwd = np.cumsum([0.0] + [p.forward_seconds for p in profiles])
         self._transient = [p.transient_bytes for p in profiles]
+        grads = [0] * self.n if grads is None else list(grads)
+        self.grads_after = [int(sum(grads[t:])) for t in range(self.n + 1)]
+        self.measured = dict(measured or {})
+        self.calibration = calibration
         self._memo: dict = {}  # (s, t) -> (backward peak, largest transient): the solver asks O(n^3) times
+
+    def estimate(self, s: int, t: int) -> int:
+        """A section's activations from its blocks' figures (before calibration)."""
+        return int(max(self._kept[j + 1] - self._kept[s] + self._transient[j] for j in range(s, t)))
 
     def section(self, s: int, t: int, scale: float = 1.0) -> SectionProfile:
         # A section's backward goes from its last block to its first: while block j's backward runs, blocks
         # s..j still hold what they kept (later blocks' are freed) and block j needs its transient buffers.
         if (s, t) not in self._memo:
-            self._memo[(s, t)] = (max(self._kept[j + 1] - self._kept[s] + self._transient[j] for j in range(s, t)),
-                                  max(self._transient[s:t]))
+            active = self.measured.get((s, t))
+            if active is None:
+                active = self.calibration * self.estimate(s, t)
+            self._memo[(s, t)] = (active, max(self._transient[s:t]))
         active, transient = self._memo[(s, t)]
         return SectionProfile(int(scale * active), int(scale * (self._stored[t] - self._stored[s])),
                               int(scale * transient), float(self._fwd[t] - self._fwd[s]))
@@ -113,14 +130,14 @@ class _Solver:
     def options(self, s: int, t: int):
         """Every way to train segment [s, t): (kind, q, policy, cost over memory slots)."""
         c, m = self.c, np.arange(self.R + 1)
-        leaf = self.up(c.section(s, t, self.scale).activation_bytes)
+        leaf = self.up(c.section(s, t, self.scale).activation_bytes + c.grads_after[t])
         yield "leaf", t, None, np.where(m >= leaf, c.seconds(s, t) + self.overhead, _INF)
         for q in range(s + 1, t):
             grad_q, grad_t = c.border[q], c.border[t]
             for policy in self.units:
                 pc = policy.cost(c.section(s, q, self.scale))
                 rest = self.shifted(self.f[(q, t)], self.up(pc.kept_bytes + c.border[q]))
-                back = self.up(pc.kept_bytes + pc.backward_bytes + grad_q) - self.down(grad_t)
+                back = self.up(pc.kept_bytes + pc.backward_bytes + grad_q + c.grads_after[q]) - self.down(grad_t)
                 cost = c.seconds(s, q) + pc.extra_seconds + self.overhead + rest
                 yield "unit", q, policy, np.where(m >= back, cost, _INF)
             right = self.shifted(self.f[(q, t)], self.up(c.border[q]))
@@ -141,11 +158,11 @@ class _Solver:
         out.append((s, t, kind, q, policy))
         c = self.c
         if kind == "leaf":
-            peaks.append(held + c.section(s, t, self.scale).activation_bytes)
+            peaks.append(held + c.section(s, t, self.scale).activation_bytes + c.grads_after[t])
         elif kind == "unit":
             pc = policy.cost(c.section(s, q, self.scale))
             self.tree(q, t, m - self.up(pc.kept_bytes + c.border[q]), held + pc.kept_bytes + c.border[q], out, peaks)
-            peaks.append(held - c.border[t] + c.border[q] + pc.kept_bytes + pc.backward_bytes)
+            peaks.append(held - c.border[t] + c.border[q] + pc.kept_bytes + pc.backward_bytes + c.grads_after[q])
         else:
             self.tree(q, t, m - self.up(c.border[q]), held + c.border[q], out, peaks)
             self.tree(s, q, min(self.R, m - self.up(c.border[q]) + self.down(c.border[t])),
@@ -175,45 +192,100 @@ def _to_schedule(choices: list, n: int) -> Schedule:
     return Schedule(tuple(cuts), policies, actions)
 
 
+class NoPlanFits(ValueError):
+    """No schedule's predicted peak fits the budget. ``smallest``: the smallest predicted peak reachable;
+    ``plan``: the schedule that reaches it; ``advised``: the smallest budget that fits it (margin and spread)."""
+
+    def __init__(self, message: str, smallest: int, plan: "Plan", advised: int):
+        super().__init__(message)
+        self.smallest, self.plan, self.advised = smallest, plan, advised
+
+
 def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, margin: float = 0.1,
                   units=(Store(),), activation_scale: float = 1.0, resolution: int = 300,
-                  section_overhead: float | None = None) -> Plan:
+                  section_overhead: float | None = None, measured=None, grad_bytes=None,
+                  calibration: float = 1.0, apply_bytes: int = 0, spread: float = 0.0) -> Plan:
     """The schedule with the least predicted forward work whose predicted peak fits ``(1 - margin) * budget``.
 
     ``profiles``: per-block costs (``_profile.BlockProfile``: output, kept, transient, stored bytes and forward
     seconds, at the real batch). ``units``: policies a section may take besides re-running (each weighed by
     its ``cost``). ``activation_scale`` corrects measured activation bytes (the engine's re-plan). The margin
-    covers the model's error. Raises ValueError naming the smallest reachable peak when nothing fits.
+    covers the model's error. ``measured``, ``grad_bytes``, ``calibration``: as for ``_Chain``. ``apply_bytes``:
+    what the optimizer's update needs beside the base and all gradients. ``spread``: the relative spread of
+    repeated measured peaks, named in the message when it set the margin. Raises ``NoPlanFits`` (a
+    ValueError) naming the smallest reachable peak and the smallest budget that fits.
     """
-    from ._schedule import count_forward_runs
-
-    chain = _Chain(profiles, input_bytes)
+    chain = _Chain(profiles, input_bytes, measured, grad_bytes, calibration)
     total = chain.seconds(0, chain.n)
     overhead = 0.01 * total / max(1, chain.n) if section_overhead is None else section_overhead
     units = list(units)
+    apply_peak = base_bytes + chain.grads_after[0] + apply_bytes  # the optimizer step: every gradient at once
 
     def solver(limit):
         sol = _Solver(chain, limit, units, activation_scale, resolution, overhead)
         return sol, sol.solve()
 
+    def planned(sol, cost, plan_budget):
+        choices, peaks = [], [apply_peak]
+        sol.tree(0, chain.n, sol.R, float(base_bytes), choices, peaks)
+        schedule = _to_schedule(choices, chain.n)
+        leaves = tuple(sorted((s, t) for s, t, kind, *_ in choices if kind == "leaf"))
+        return Plan(schedule, int(max(peaks)), cost - total - overhead * schedule.num_sections, plan_budget,
+                    base_bytes, tuple(count_forward_runs(schedule)), leaves)
+
     limit = (1.0 - margin) * budget - base_bytes
     sol, cost = solver(limit)
-    if cost == _INF:
-        smallest = _smallest_peak(solver, base_bytes, margin)
-        raise ValueError(
+    if cost == _INF or apply_peak > (1.0 - margin) * budget:
+        lowest = _smallest_limit(solver)
+        sol, cost = solver(lowest)
+        smallest = max(int(lowest + base_bytes), apply_peak)
+        advised = math.ceil(smallest / (1 - margin) / 2**20) * 2**20
+        spread_note = f" (no less than the {spread:.0%} spread of the probe's repeated peaks)" if spread else ""
+        raise NoPlanFits(
             f"memory_budget={human_bytes(budget)} ({budget} bytes): no partition fits; the smallest predicted "
             f"peak reachable is {human_bytes(smallest)} ({smallest} bytes), and plans keep a {margin:.0%} "
-            f"safety margin below the budget: the smallest budget that fits is about "
-            f"{human_bytes(math.ceil(smallest / (1 - margin) / 2**20) * 2**20)}.")
-    choices, peaks = [], []
-    sol.tree(0, chain.n, sol.R, float(base_bytes), choices, peaks)
-    schedule = _to_schedule(choices, chain.n)
-    return Plan(schedule, int(max(peaks)), cost - total - overhead * schedule.num_sections, budget, base_bytes,
-                tuple(count_forward_runs(schedule)))
+            f"safety margin below the budget{spread_note}: the smallest budget that fits is about "
+            f"{human_bytes(advised)}.", smallest, planned(sol, cost, advised), advised)
+    return planned(sol, cost, budget)
 
 
-def _smallest_peak(solver, base_bytes: int, margin: float) -> int:
-    """Bisect on the budget for the smallest predicted peak any schedule reaches."""
+def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: int = 12, spread=None,
+                  **options) -> Plan:
+    """``plan_schedule`` whose chosen sections are measured: plan, measure each re-run section of the plan that
+    was estimated (``measure(s, t)``: its activation bytes as one compiled run), plan again with those
+    figures, until the plan's sections are all measured (or ``max_rounds``). Sections not measured are
+    estimated from their blocks times the median ratio measured/estimated so far. When nothing fits, the
+    schedule reaching the smallest peak is measured the same way before the error names it. ``spread()``: the
+    relative spread of the probe's repeated peaks so far; the safety margin is at least that."""
+    measured: dict = {}
+    chain = _Chain(profiles, input_bytes)
+    margin = options.pop("margin", 0.1)
+    for _ in range(max_rounds):
+        ratios = sorted(measured[k] / max(1, chain.estimate(*k)) for k in measured)
+        calibration = ratios[len(ratios) // 2] if ratios else 1.0
+        # A step's peak moves with the executor's op order: the margin covers at least the spread measured.
+        observed = spread() if spread is not None else 0.0
+        kwargs = dict(options, measured=measured, calibration=calibration, margin=max(margin, observed),
+                      spread=observed if observed > margin else 0.0)
+        try:
+            plan = plan_schedule(profiles, input_bytes, budget, **kwargs)
+            error = None
+        except NoPlanFits as err:
+            plan, error = err.plan, err
+        new = [span for span in plan.leaves if span not in measured]
+        if not new:
+            if error is not None:
+                raise error
+            return plan
+        for span in new:
+            measured[span] = measure(*span)
+    if error is not None:
+        raise error
+    return plan
+
+
+def _smallest_limit(solver) -> float:
+    """Bisect on the memory limit (beside the base) for the smallest that any schedule fits."""
     hi = 1.0
     while solver(hi)[1] == _INF:
         hi *= 2
@@ -221,4 +293,4 @@ def _smallest_peak(solver, base_bytes: int, margin: float) -> int:
     for _ in range(30):
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if solver(mid)[1] < _INF else (mid, hi)
-    return int(hi + base_bytes)
+    return hi

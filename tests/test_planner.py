@@ -128,7 +128,7 @@ def test_auto_sections_on_a_real_network_with_room_to_spare():
 
 
 def test_replans_when_the_first_measured_step_exceeds_the_prediction(monkeypatch):
-    """Inject a wrong cost model (activations measured 20x too small): the first step's measured peak
+    """Inject a wrong cost model (activations measured 20x too small, blocks and sections): the first step's measured peak
     exceeds the prediction, the engine scales its costs by the measurement, re-plans and says so."""
     from sections import _engine
 
@@ -139,6 +139,8 @@ def test_replans_when_the_first_measured_step_exceeds_the_prediction(monkeypatch
                              p.forward_seconds, p.stored_bytes // 20) for p in real(*args)]
 
     monkeypatch.setattr(_engine, "profile_blocks", underestimated)
+    measure = _engine.SectionProbe.__call__
+    monkeypatch.setattr(_engine.SectionProbe, "__call__", lambda self, s, t: measure(self, s, t) // 20)
     batch = make_batch(n=64, size=16, classes=10)
     engine = Engine(conv_stack(depth=8, filters=16), keras.optimizers.SGD(0.1), sections="auto",
                     memory_budget="200MiB")  # room for the corrected plan too
