@@ -233,13 +233,23 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
         return Plan(schedule, int(max(peaks)), cost - total - overhead * schedule.num_sections, plan_budget,
                     base_bytes, tuple(count_forward_runs(schedule)), leaves)
 
+    def fits(plan_budget):
+        """The solved plan at this budget, or None."""
+        if apply_peak > (1.0 - margin) * plan_budget:
+            return None
+        solved = solver((1.0 - margin) * plan_budget - base_bytes)
+        return solved if solved[1] < _INF else None
+
     limit = (1.0 - margin) * budget - base_bytes
     sol, cost = solver(limit)
     if cost == _INF or apply_peak > (1.0 - margin) * budget:
-        lowest = _smallest_limit(solver)
-        sol, cost = solver(lowest)
-        smallest = max(int(lowest + base_bytes), apply_peak)
+        # The least memory any schedule needs (exact bytes), then the least budget whose slotted plan fits it.
+        need = _least_memory(chain, units, activation_scale)
+        smallest = max(int(need + base_bytes), apply_peak)
         advised = math.ceil(smallest / (1 - margin) / 2**20) * 2**20
+        while (solved := fits(advised)) is None:
+            advised += max(2**20, int(advised / resolution))
+        sol, cost = solved
         spread_note = f" (no less than the {spread:.0%} spread of the probe's repeated peaks)" if spread else ""
         raise NoPlanFits(
             f"memory_budget={human_bytes(budget)} ({budget} bytes): no partition fits; the smallest predicted "
@@ -247,6 +257,25 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
             f"safety margin below the budget{spread_note}: the smallest budget that fits is about "
             f"{human_bytes(advised)}.", smallest, planned(sol, cost, advised), advised)
     return planned(sol, cost, budget)
+
+
+def _least_memory(chain: _Chain, units: list, scale: float) -> float:
+    """The least memory beside the base any schedule of the chain needs, under the solver's model in exact
+    bytes (a min-max recursion over the same choices: leaf, a unit policy, or keep a border and split)."""
+    n, border, after = chain.n, chain.border, chain.grads_after
+    g: dict = {}
+    for length in range(1, n + 1):
+        for s in range(0, n - length + 1):
+            t = s + length
+            best = chain.section(s, t, scale).activation_bytes + after[t]
+            for q in range(s + 1, t):
+                for policy in units:
+                    pc = policy.cost(chain.section(s, q, scale))
+                    best = min(best, max(pc.kept_bytes + border[q] + g[(q, t)],
+                                         pc.kept_bytes + pc.backward_bytes + border[q] + after[q] - border[t]))
+                best = min(best, max(border[q] + g[(q, t)], border[q] - border[t] + g[(s, q)]))
+            g[(s, t)] = best
+    return g[(0, n)]
 
 
 def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: int = 12, spread=None,
@@ -282,15 +311,3 @@ def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: 
     if error is not None:
         raise error
     return plan
-
-
-def _smallest_limit(solver) -> float:
-    """Bisect on the memory limit (beside the base) for the smallest that any schedule fits."""
-    hi = 1.0
-    while solver(hi)[1] == _INF:
-        hi *= 2
-    lo = hi / 2 if hi > 1 else 0.0
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if solver(mid)[1] < _INF else (mid, hi)
-    return hi
