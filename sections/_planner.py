@@ -17,7 +17,7 @@ plus block j's transient buffers; from the probe) with the gradient arriving at 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -47,6 +47,8 @@ class Plan:
     base_bytes: int
     forward_runs: tuple
     leaves: tuple = ()  # (start, stop) block spans run as re-run sections (measured by plan_measured)
+    margin: float = 0.1
+    measured_sections: int = 0  # sections of this plan whose activations were measured as one run
 
     @property
     def starts(self) -> list:
@@ -59,7 +61,9 @@ class Plan:
     def summary(self) -> str:
         return (f"plan: {len(self.starts) + 1} section(s), policies {self.policies}, forward runs "
                 f"{list(self.forward_runs)}, predicted peak {human_bytes(self.predicted_peak)} (budget "
-                f"{human_bytes(self.budget)}), predicted re-run time {self.rerun_seconds:.3f} s/step")
+                f"{human_bytes(self.budget)}, margin {self.margin:.0%}; {self.measured_sections} of "
+                f"{len(self.leaves)} re-run sections measured as one run), predicted re-run time "
+                f"{self.rerun_seconds:.3f} s/step")
 
 
 class _Chain:
@@ -231,7 +235,8 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
         schedule = _to_schedule(choices, chain.n)
         leaves = tuple(sorted((s, t) for s, t, kind, *_ in choices if kind == "leaf"))
         return Plan(schedule, int(max(peaks)), cost - total - overhead * schedule.num_sections, plan_budget,
-                    base_bytes, tuple(count_forward_runs(schedule)), leaves)
+                    base_bytes, tuple(count_forward_runs(schedule)), leaves, margin,
+                    sum(1 for span in leaves if span in chain.measured))
 
     def fits(plan_budget):
         """The solved plan at this budget, or None."""
@@ -305,7 +310,7 @@ def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: 
         if not new:
             if error is not None:
                 raise error
-            return plan
+            return replace(plan, measured_sections=len(plan.leaves))
         for span in new:
             measured[span] = measure(*span)
     if error is not None:
