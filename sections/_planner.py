@@ -289,14 +289,18 @@ def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: 
     was estimated (``measure(s, t)``: its activation bytes as one compiled run), plan again with those
     figures, until the plan's sections are all measured (or ``max_rounds``). Sections not measured are
     estimated from their blocks times the median ratio measured/estimated so far. When nothing fits, the
-    schedule reaching the smallest peak is measured the same way before the error names it. ``spread()``: the
+    schedule reaching the smallest peak is measured the same way (two rounds; then the largest ratio
+    estimates what is left) before the error names it. ``spread()``: the
     relative spread of the probe's repeated peaks so far; the safety margin is at least that."""
     measured: dict = {}
     chain = _Chain(profiles, input_bytes)
     margin = options.pop("margin", 0.1)
+    refusals, error = 0, None
     for _ in range(max_rounds):
-        ratios = sorted(measured[k] / max(1, chain.estimate(*k)) for k in measured)
-        calibration = ratios[len(ratios) // 2] if ratios else 1.0
+        ratios = sorted(measured[k] / max(1, chain.estimate(*k)) for k in measured) or [1.0]
+        # Refused twice: the schedules near the floor have many small sections, and measuring each round's new
+        # ones would not end soon; the rest are estimated by the largest ratio seen, so the advice errs high.
+        calibration = ratios[-1] if refusals >= 2 else ratios[len(ratios) // 2]
         # A step's peak moves with the executor's op order: the margin covers at least the spread measured.
         observed = spread() if spread is not None else 0.0
         kwargs = dict(options, measured=measured, calibration=calibration, margin=max(margin, observed),
@@ -306,6 +310,9 @@ def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: 
             error = None
         except NoPlanFits as err:
             plan, error = err.plan, err
+            refusals += 1
+            if refusals > 2:
+                raise
         new = [span for span in plan.leaves if span not in measured]
         if not new:
             if error is not None:
