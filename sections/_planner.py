@@ -216,7 +216,7 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
     its ``cost``). ``activation_scale`` corrects measured activation bytes (the engine's re-plan). The margin
     covers the model's error. ``measured``, ``grad_bytes``, ``calibration``: as for ``_Chain``. ``apply_bytes``:
     what the optimizer's update needs beside the base and all gradients. ``spread``: the relative spread of
-    repeated measured peaks, named in the message when it set the margin. Raises ``NoPlanFits`` (a
+    repeated measured peaks, added to the advised budget. Raises ``NoPlanFits`` (a
     ValueError) naming the smallest reachable peak and the smallest budget that fits.
     """
     chain = _Chain(profiles, input_bytes, measured, grad_bytes, calibration)
@@ -251,11 +251,13 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
         # The least memory any schedule needs (exact bytes), then the least budget whose slotted plan fits it.
         need = _least_memory(chain, units, activation_scale)
         smallest = max(int(need + base_bytes), apply_peak)
-        advised = math.ceil(smallest / (1 - margin) / 2**20) * 2**20
+        # Another run measures again: its floor and its margin move by up to the spread seen here.
+        advised = math.ceil(smallest * (1 + spread) / (1 - margin) / 2**20) * 2**20
         while (solved := fits(advised)) is None:
             advised += max(2**20, int(advised / resolution))
         sol, cost = solved
-        spread_note = f" (no less than the {spread:.0%} spread of the probe's repeated peaks)" if spread else ""
+        spread_note = (f" and another {spread:.0%} for the spread of the probe's repeated peaks (another run "
+                       f"measures again)") if spread else ""
         raise NoPlanFits(
             f"memory_budget={human_bytes(budget)} ({budget} bytes): no partition fits; the smallest predicted "
             f"peak reachable is {human_bytes(smallest)} ({smallest} bytes), and plans keep a {margin:.0%} "
@@ -304,7 +306,7 @@ def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: 
         # A step's peak moves with the executor's op order: the margin covers at least the spread measured.
         observed = spread() if spread is not None else 0.0
         kwargs = dict(options, measured=measured, calibration=calibration, margin=max(margin, observed),
-                      spread=observed if observed > margin else 0.0)
+                      spread=observed)
         try:
             plan = plan_schedule(profiles, input_bytes, budget, **kwargs)
             error = None
