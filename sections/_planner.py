@@ -208,15 +208,16 @@ class NoPlanFits(ValueError):
 def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, margin: float = 0.1,
                   units=(Store(),), activation_scale: float = 1.0, resolution: int = 300,
                   section_overhead: float | None = None, measured=None, grad_bytes=None,
-                  calibration: float = 1.0, apply_bytes: int = 0, spread: float = 0.0) -> Plan:
+                  calibration: float = 1.0, apply_bytes: int = 0, spread: int = 0) -> Plan:
     """The schedule with the least predicted forward work whose predicted peak fits ``(1 - margin) * budget``.
 
     ``profiles``: per-block costs (``_profile.BlockProfile``: output, kept, transient, stored bytes and forward
     seconds, at the real batch). ``units``: policies a section may take besides re-running (each weighed by
     its ``cost``). ``activation_scale`` corrects measured activation bytes (the engine's re-plan). The margin
     covers the model's error. ``measured``, ``grad_bytes``, ``calibration``: as for ``_Chain``. ``apply_bytes``:
-    what the optimizer's update needs beside the base and all gradients. ``spread``: the relative spread of
-    repeated measured peaks, added to the advised budget. Raises ``NoPlanFits`` (a
+    what the optimizer's update needs beside the base and all gradients. ``spread``: bytes by which repeated
+    measured peaks differed: a plan's prediction plus this fits the margin, and the advised budget adds it
+    once more (another run measures again). Raises ``NoPlanFits`` (a
     ValueError) naming the smallest reachable peak and the smallest budget that fits.
     """
     chain = _Chain(profiles, input_bytes, measured, grad_bytes, calibration)
@@ -240,30 +241,29 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
 
     def fits(plan_budget):
         """The solved plan at this budget, or None."""
-        if apply_peak > (1.0 - margin) * plan_budget:
+        if apply_peak + spread > (1.0 - margin) * plan_budget:
             return None
-        solved = solver((1.0 - margin) * plan_budget - base_bytes)
+        solved = solver((1.0 - margin) * plan_budget - base_bytes - spread)
         return solved if solved[1] < _INF else None
 
-    limit = (1.0 - margin) * budget - base_bytes
-    sol, cost = solver(limit)
-    if cost == _INF or apply_peak > (1.0 - margin) * budget:
+    solved = fits(budget)
+    if solved is None:
         # The least memory any schedule needs (exact bytes), then the least budget whose slotted plan fits it.
         need = _least_memory(chain, units, activation_scale)
         smallest = max(int(need + base_bytes), apply_peak)
-        # Another run measures again: its floor and its margin move by up to the spread seen here.
-        advised = math.ceil(smallest * (1 + spread) / (1 - margin) / 2**20) * 2**20
+        # Another run measures again: its floor moves by up to the spread seen here.
+        advised = math.ceil((smallest + 2 * spread) / (1 - margin) / 2**20) * 2**20
         while (solved := fits(advised)) is None:
             advised += max(2**20, int(advised / resolution))
         sol, cost = solved
-        spread_note = (f" and another {spread:.0%} for the spread of the probe's repeated peaks (another run "
-                       f"measures again)") if spread else ""
+        spread_note = (f" and twice the {human_bytes(spread)} by which the probe's repeated runs differed "
+                       f"(another run measures again)") if spread else ""
         raise NoPlanFits(
             f"memory_budget={human_bytes(budget)} ({budget} bytes): no partition fits; the smallest predicted "
             f"peak reachable is {human_bytes(smallest)} ({smallest} bytes), and plans keep a {margin:.0%} "
             f"safety margin below the budget{spread_note}: the smallest budget that fits is about "
             f"{human_bytes(advised)}.", smallest, planned(sol, cost, advised), advised)
-    return planned(sol, cost, budget)
+    return planned(*solved, budget)
 
 
 def _least_memory(chain: _Chain, units: list, scale: float) -> float:
@@ -293,7 +293,7 @@ def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: 
     estimated from their blocks times the median ratio measured/estimated so far. When nothing fits, the
     schedule reaching the smallest peak is measured the same way (two rounds; then the largest ratio
     estimates what is left) before the error names it. ``spread()``: the
-    relative spread of the probe's repeated peaks so far; the safety margin is at least that."""
+    bytes by which the probe's repeated runs of one section differed so far."""
     measured: dict = {}
     chain = _Chain(profiles, input_bytes)
     margin = options.pop("margin", 0.1)
@@ -303,10 +303,9 @@ def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: 
         # Refused twice: the schedules near the floor have many small sections, and measuring each round's new
         # ones would not end soon; the rest are estimated by the largest ratio seen, so the advice errs high.
         calibration = ratios[-1] if refusals >= 2 else ratios[len(ratios) // 2]
-        # A step's peak moves with the executor's op order: the margin covers at least the spread measured.
-        observed = spread() if spread is not None else 0.0
-        kwargs = dict(options, measured=measured, calibration=calibration, margin=max(margin, observed),
-                      spread=observed)
+        # A step's peak moves with the executor's op order: plans keep the spread measured below the margin.
+        kwargs = dict(options, measured=measured, calibration=calibration, margin=margin,
+                      spread=spread() if spread is not None else 0)
         try:
             plan = plan_schedule(profiles, input_bytes, budget, **kwargs)
             error = None

@@ -95,7 +95,7 @@ class SectionProbe:
         self._borders = {0: small[network.inputs]}
         self._state = [(v, tf.identity(v.value)) for v in network.non_trainable_variables]
         self.measured: dict = {}   # (start, stop) -> activation bytes at the real batch (upstream gradient excluded)
-        self.spread: dict = {}     # (start, stop) -> (largest - smallest) / largest over the runs
+        self.spread: dict = {}     # (start, stop) -> largest - smallest over the runs, bytes at the real batch
 
     def border(self, i: int):
         j = max(k for k in self._borders if k <= i)
@@ -139,10 +139,11 @@ class SectionProbe:
         upstream = 0 if last else nbytes(self.border(stop))
         scale = self.real / self.pb
         self.measured[(start, stop)] = int(max(max(used) - upstream, 0) * scale)
-        self.spread[(start, stop)] = (max(used) - min(used)) / max(1, max(used))
+        self.spread[(start, stop)] = int((max(used) - min(used)) * scale)
 
-    def largest_spread(self) -> float:
-        return max(self.spread.values(), default=0.0)
+    def largest_spread(self) -> int:
+        """The largest difference between repeated runs of one section (the executor's op order), bytes."""
+        return max(self.spread.values(), default=0)
 
 
 def unique_state(blocks) -> list:

@@ -268,7 +268,7 @@ def test_a_plan_with_cuts_stays_within_its_budget_in_measured_steps():
     assert plan.schedule.num_sections > 1
     peaks = [engine.train_step(batch)["step_peak_bytes"] for _ in range(2)]
     assert max(peaks) <= budget, (peaks, engine.describe())
-    assert max(peaks) <= plan.predicted_peak * (1 + spread), (peaks, spread, plan.summary())
+    assert max(peaks) <= plan.predicted_peak + spread, (peaks, spread, plan.summary())
 
 
 @pytest.mark.parametrize("factor", [1.0, pytest.param(1.5, marks=pytest.mark.slow)])
@@ -288,5 +288,5 @@ def test_the_advised_budget_fits_and_measured_steps_stay_within_it(factor):
     plan, spread = engine.build(batch) or engine.plan, engine.section_probe.largest_spread()
     peaks = [engine.train_step(batch)["step_peak_bytes"] for _ in range(3)]
     assert max(peaks) <= budget, (peaks, engine.describe())
-    assert max(peaks) <= plan.predicted_peak * (1 + spread), (peaks, spread, plan.summary())
+    assert max(peaks) <= plan.predicted_peak + spread, (peaks, spread, plan.summary())
     assert max(peaks) >= 0.8 * plan.predicted_peak, (peaks, plan.summary())
