@@ -128,7 +128,7 @@ def test_auto_sections_on_a_real_network_with_room_to_spare():
 
 
 def test_replans_when_the_first_measured_step_exceeds_the_prediction(monkeypatch):
-    """Inject a wrong cost model (activations measured 20x too small): the first step's measured peak
+    """Inject a wrong cost model (activations measured 20x too small, blocks and sections): the first step's measured peak
     exceeds the prediction, the engine scales its costs by the measurement, re-plans and says so."""
     from sections.step import engine as _engine
 
@@ -139,6 +139,8 @@ def test_replans_when_the_first_measured_step_exceeds_the_prediction(monkeypatch
                              p.forward_seconds, p.stored_bytes // 20) for p in real(*args)]
 
     monkeypatch.setattr(_engine, "profile_blocks", underestimated)
+    measure = _engine.SectionProbe.__call__
+    monkeypatch.setattr(_engine.SectionProbe, "__call__", lambda self, s, t: measure(self, s, t) // 20)
     batch = make_batch(n=64, size=16, classes=10)
     engine = Engine(conv_stack(depth=8, filters=16), keras.optimizers.SGD(0.1), sections="auto",
                     memory_budget="200MiB")  # room for the corrected plan too
@@ -228,3 +230,63 @@ def test_corrections_of_the_cost_model_are_bounded(monkeypatch):
     engine._replan_if_over(plan.predicted_peak + MiB)  # inside the budget: nothing more to do
     with pytest.raises(BudgetExceededError, match=f"after {MAX_REPLANS} corrections"):
         engine._replan_if_over(plan.budget + MiB)
+
+
+def test_plans_use_measured_sections_and_name_every_one_they_measured():
+    """The sum of per-block figures is only an estimate: every section a plan re-runs is measured as one compiled
+    run, and the plan's prediction is made of those figures (here a fake probe, so the arithmetic is exact)."""
+    from sections.schedule.planner import plan_measured
+
+    ps = profiles(n=8, kept=10 * MiB, transient=4 * MiB, out=2 * MiB)
+    calls = []
+
+    def measure(s, t):  # sections hold 60% of the blocks' sum
+        calls.append((s, t))
+        return int(0.6 * (10 * MiB * (t - s) + 4 * MiB))
+
+    plan = plan_measured(ps, MiB, 60 * MiB, measure, units=())
+    assert set(plan.leaves) <= set(calls) and len(calls) == len(set(calls))
+    alone = plan_schedule(ps, MiB, 60 * MiB, units=())
+    assert plan.schedule.num_sections < alone.schedule.num_sections  # the estimate over-predicted: fewer cuts
+    assert plan.predicted_peak <= 0.9 * 60 * MiB
+
+
+@pytest.mark.slow  # 20 s; test_the_advised_budget_fits_and_measured_steps_stay_within_it[1.0] is fast
+def test_a_plan_with_cuts_stays_within_its_budget_in_measured_steps():
+    """One section's predicted peak, then 0.6 of it as the budget: the plan cuts, and its measured steps stay
+    within the budget and within the prediction plus the probe's measured spread."""
+    batch = make_batch(n=8, size=32, classes=10)
+    one = Engine(conv_stack(depth=8), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
+                 memory_budget="10GiB")
+    one.build(batch)
+    budget = int(0.6 * one.plan.predicted_peak)
+    del one
+    engine = Engine(conv_stack(depth=8), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
+                    memory_budget=budget)
+    engine.build(batch)
+    plan, spread = engine.plan, engine.section_probe.largest_spread()
+    assert plan.schedule.num_sections > 1
+    peaks = [engine.train_step(batch)["step_peak_bytes"] for _ in range(2)]
+    assert max(peaks) <= budget, (peaks, engine.describe())
+    assert max(peaks) <= plan.predicted_peak + spread, (peaks, spread, plan.summary())
+
+
+@pytest.mark.parametrize("factor", [1.0, pytest.param(1.5, marks=pytest.mark.slow)])
+def test_the_advised_budget_fits_and_measured_steps_stay_within_it(factor):
+    """A budget below every plan is refused naming the smallest budget that fits; that budget (and one larger)
+    then gives a plan whose measured steps stay within it, and within the prediction plus the spread the probe
+    measured between repeated runs (on a net this small, one activation: the executor's op order moves it)."""
+    from sections.schedule.planner import NoPlanFits
+
+    batch = make_batch(n=8, size=64, classes=10)
+    with pytest.raises(NoPlanFits) as info:
+        Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
+               memory_budget="1MiB").build(batch)
+    budget = int(factor * info.value.advised)
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
+                    memory_budget=budget)
+    plan, spread = engine.build(batch) or engine.plan, engine.section_probe.largest_spread()
+    peaks = [engine.train_step(batch)["step_peak_bytes"] for _ in range(3)]
+    assert max(peaks) <= budget, (peaks, engine.describe())
+    assert max(peaks) <= plan.predicted_peak + spread, (peaks, spread, plan.summary())
+    assert max(peaks) >= 0.8 * plan.predicted_peak, (peaks, plan.summary())

@@ -146,7 +146,8 @@ def describe_setup(engine, batch: int) -> dict:
         "memory_measured": bool(getattr(getattr(engine, "meter", None), "available", False)),
     }
     if getattr(engine, "plan", None) is not None:
-        info.update(memory_budget_bytes=engine.plan.budget, predicted_peak_bytes=engine.plan.predicted_peak)
+        info.update(memory_budget_bytes=engine.plan.budget, predicted_peak_bytes=engine.plan.predicted_peak,
+                    planner_margin=engine.plan.margin, planner_measured_sections=engine.plan.measured_sections)
     return info
 
 

@@ -77,6 +77,102 @@ def _block_functions(block, batch):
     return RelaxedFunction(forward, batch_args=(0,)), RelaxedFunction(train, batch_args=(0,))
 
 
+class SectionProbe:
+    """Measures runs of blocks as one compiled section (forward, then backward from its output), on the probe
+    slice, state untouched; figures scaled to the real batch and cached per span.
+
+    A section's backward holds what its blocks keep together, which is not the sum of what each keeps alone
+    (the compiled graph frees and reuses buffers across blocks): the planner reads these measured figures for
+    the sections it chooses. Borders are kept every ``stride`` blocks and others re-computed from the nearest.
+    """
+
+    RUNS = 3  # the executor's op order (so the peak) varies call to call: the largest of these is used
+
+    def __init__(self, network, small, real: int, meter: MemoryMeter, stride: int = 8):
+        self.network, self.small, self.real, self.meter = network, small, real, meter
+        self.pb = int(tf.nest.flatten(small[network.inputs])[0].shape[0])
+        self.stride = stride
+        self._borders = {0: small[network.inputs]}
+        self._state = [(v, tf.identity(v.value)) for v in network.non_trainable_variables]
+        self.measured: dict = {}   # (start, stop) -> activation bytes at the real batch (upstream gradient excluded)
+        self.spread: dict = {}     # (start, stop) -> largest - smallest over the runs, bytes at the real batch
+
+    def border(self, i: int):
+        j = max(k for k in self._borders if k <= i)
+        h = self._borders[j]
+        with keras.StatelessScope(state_mapping=self._state):
+            for k in range(j, i):
+                h = self.network.blocks[k](h, self.small, training=True)
+                if (k + 1) % self.stride == 0:
+                    self._borders[k + 1] = h
+        return h
+
+    def __call__(self, start: int, stop: int) -> int:
+        if (start, stop) not in self.measured:
+            self._measure(start, stop)
+        return self.measured[(start, stop)]
+
+    def _measure(self, start: int, stop: int) -> None:
+        blocks = self.network.blocks[start:stop]
+        state = unique_state(blocks)
+        variables = _unique([_first_component(v) for b in blocks for v in b.layer.trainable_variables])
+        small, last = self.small, stop == len(self.network.blocks)
+
+        def train(h, snapshot):
+            with tf.GradientTape() as tape:
+                xs = float_leaves(h) if start > 0 else []
+                tape.watch(xs)
+                with keras.StatelessScope(state_mapping=list(zip(state, snapshot))):
+                    out = h
+                    for block in blocks:
+                        out = block(out, small, training=True)
+            ys = float_leaves(out)
+            return tape.gradient(ys, xs + variables, output_gradients=[tf.ones_like(y) for y in ys])
+
+        fn = RelaxedFunction(train, batch_args=(0,))
+        h = self.border(start)
+        snapshot = [tf.identity(v.value) for v in state]
+        fn(self.pb, h, snapshot)  # tracing and kernel set-up
+        used = [_measure(self.meter, fn, self.pb, h, snapshot) for _ in range(self.RUNS)]
+        # The gradient arriving at the output is the caller's (the planner counts it as held), except at the
+        # end of the chain, where it stands for the loss's gradient on the logits.
+        upstream = 0 if last else nbytes(self.border(stop))
+        scale = self.real / self.pb
+        self.measured[(start, stop)] = int(max(max(used) - upstream, 0) * scale)
+        self.spread[(start, stop)] = int((max(used) - min(used)) * scale)
+
+    def largest_spread(self) -> int:
+        """The largest difference between repeated runs of one section (the executor's op order), bytes."""
+        return max(self.spread.values(), default=0)
+
+
+def unique_state(blocks) -> list:
+    return _unique([v for b in blocks for v in b.layer.non_trainable_variables])
+
+
+def _unique(items) -> list:
+    seen, out = set(), []
+    for x in items:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
+
+
+def gradient_bytes(network) -> list[int]:
+    """Bytes of the gradients each block's backward produces (a variable shared by blocks counts once, at its
+    last block: the first gradient the backward makes)."""
+    seen, out = set(), []
+    for block in reversed(network.blocks):
+        total = 0
+        for v in block.layer.trainable_variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                total += nbytes(v)
+        out.append(total)
+    return out[::-1]
+
+
 def _first_component(variable):
     """Under a strategy (the probe runs in cross-replica context, reading the first replica's copies), the
     first replica's copy of a mirrored variable: the one a gradient reaches."""

@@ -17,7 +17,7 @@ plus block j's transient buffers; from the probe) with the gradient arriving at 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -46,6 +46,9 @@ class Plan:
     budget: int
     base_bytes: int
     forward_runs: tuple
+    leaves: tuple = ()  # (start, stop) block spans run as re-run sections (measured by plan_measured)
+    margin: float = 0.1
+    measured_sections: int = 0  # sections of this plan whose activations were measured as one run
 
     @property
     def starts(self) -> list:
@@ -58,13 +61,21 @@ class Plan:
     def summary(self) -> str:
         return (f"plan: {len(self.starts) + 1} section(s), policies {self.policies}, forward runs "
                 f"{list(self.forward_runs)}, predicted peak {human_bytes(self.predicted_peak)} (budget "
-                f"{human_bytes(self.budget)}), predicted re-run time {self.rerun_seconds:.3f} s/step")
+                f"{human_bytes(self.budget)}, margin {self.margin:.0%}; {self.measured_sections} of "
+                f"{len(self.leaves)} re-run sections measured as one run), predicted re-run time "
+                f"{self.rerun_seconds:.3f} s/step")
 
 
 class _Chain:
-    """Prefix sums over blocks, so any run of blocks gets its costs in O(1)."""
+    """Prefix sums over blocks, so any run of blocks gets its costs in O(1).
 
-    def __init__(self, profiles, input_bytes: int):
+    ``measured``: activation bytes of whole sections ``{(s, t): bytes}`` measured as one compiled run (the
+    probe's ``SectionProbe``); a section not measured is estimated from its blocks' figures times
+    ``calibration``. ``grads``: each block's gradient bytes; the gradients of blocks after a segment are held
+    while it is trained.
+    """
+
+    def __init__(self, profiles, input_bytes: int, measured=None, grads=None, calibration: float = 1.0):
         self.n = len(profiles)
         self.border = [input_bytes] + [p.output_bytes for p in profiles]   # border i enters block i
         self.border[-1] = 0  # the loss: no gradient waits at the end of the chain
@@ -72,14 +83,24 @@ class _Chain:
         self._stored = np.cumsum([0] + [p.stored_bytes for p in profiles])
         self._fwd = np.cumsum([0.0] + [p.forward_seconds for p in profiles])
         self._transient = [p.transient_bytes for p in profiles]
+        grads = [0] * self.n if grads is None else list(grads)
+        self.grads_after = [int(sum(grads[t:])) for t in range(self.n + 1)]
+        self.measured = dict(measured or {})
+        self.calibration = calibration
         self._memo: dict = {}  # (s, t) -> (backward peak, largest transient): the solver asks O(n^3) times
+
+    def estimate(self, s: int, t: int) -> int:
+        """A section's activations from its blocks' figures (before calibration)."""
+        return int(max(self._kept[j + 1] - self._kept[s] + self._transient[j] for j in range(s, t)))
 
     def section(self, s: int, t: int, scale: float = 1.0) -> SectionProfile:
         # A section's backward goes from its last block to its first: while block j's backward runs, blocks
         # s..j still hold what they kept (later blocks' are freed) and block j needs its transient buffers.
         if (s, t) not in self._memo:
-            self._memo[(s, t)] = (max(self._kept[j + 1] - self._kept[s] + self._transient[j] for j in range(s, t)),
-                                  max(self._transient[s:t]))
+            active = self.measured.get((s, t))
+            if active is None:
+                active = self.calibration * self.estimate(s, t)
+            self._memo[(s, t)] = (active, max(self._transient[s:t]))
         active, transient = self._memo[(s, t)]
         return SectionProfile(int(scale * active), int(scale * (self._stored[t] - self._stored[s])),
                               int(scale * transient), float(self._fwd[t] - self._fwd[s]))
@@ -113,14 +134,14 @@ class _Solver:
     def options(self, s: int, t: int):
         """Every way to train segment [s, t): (kind, q, policy, cost over memory slots)."""
         c, m = self.c, np.arange(self.R + 1)
-        leaf = self.up(c.section(s, t, self.scale).activation_bytes)
+        leaf = self.up(c.section(s, t, self.scale).activation_bytes + c.grads_after[t])
         yield "leaf", t, None, np.where(m >= leaf, c.seconds(s, t) + self.overhead, _INF)
         for q in range(s + 1, t):
             grad_q, grad_t = c.border[q], c.border[t]
             for policy in self.units:
                 pc = policy.cost(c.section(s, q, self.scale))
                 rest = self.shifted(self.f[(q, t)], self.up(pc.kept_bytes + c.border[q]))
-                back = self.up(pc.kept_bytes + pc.backward_bytes + grad_q) - self.down(grad_t)
+                back = self.up(pc.kept_bytes + pc.backward_bytes + grad_q + c.grads_after[q]) - self.down(grad_t)
                 cost = c.seconds(s, q) + pc.extra_seconds + self.overhead + rest
                 yield "unit", q, policy, np.where(m >= back, cost, _INF)
             right = self.shifted(self.f[(q, t)], self.up(c.border[q]))
@@ -141,11 +162,11 @@ class _Solver:
         out.append((s, t, kind, q, policy))
         c = self.c
         if kind == "leaf":
-            peaks.append(held + c.section(s, t, self.scale).activation_bytes)
+            peaks.append(held + c.section(s, t, self.scale).activation_bytes + c.grads_after[t])
         elif kind == "unit":
             pc = policy.cost(c.section(s, q, self.scale))
             self.tree(q, t, m - self.up(pc.kept_bytes + c.border[q]), held + pc.kept_bytes + c.border[q], out, peaks)
-            peaks.append(held - c.border[t] + c.border[q] + pc.kept_bytes + pc.backward_bytes)
+            peaks.append(held - c.border[t] + c.border[q] + pc.kept_bytes + pc.backward_bytes + c.grads_after[q])
         else:
             self.tree(q, t, m - self.up(c.border[q]), held + c.border[q], out, peaks)
             self.tree(s, q, min(self.R, m - self.up(c.border[q]) + self.down(c.border[t])),
@@ -175,50 +196,133 @@ def _to_schedule(choices: list, n: int) -> Schedule:
     return Schedule(tuple(cuts), policies, actions)
 
 
+class NoPlanFits(ValueError):
+    """No schedule's predicted peak fits the budget. ``smallest``: the smallest predicted peak reachable;
+    ``plan``: the schedule that reaches it; ``advised``: the smallest budget that fits it (margin and spread)."""
+
+    def __init__(self, message: str, smallest: int, plan: "Plan", advised: int):
+        super().__init__(message)
+        self.smallest, self.plan, self.advised = smallest, plan, advised
+
+
 def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, margin: float = 0.1,
                   units=(Store(),), activation_scale: float = 1.0, resolution: int = 300,
-                  section_overhead: float | None = None) -> Plan:
+                  section_overhead: float | None = None, measured=None, grad_bytes=None,
+                  calibration: float = 1.0, apply_bytes: int = 0, spread: int = 0) -> Plan:
     """The schedule with the least predicted forward work whose predicted peak fits ``(1 - margin) * budget``.
 
-    ``profiles``: per-block costs (``_profile.BlockProfile``: output, kept, transient, stored bytes and forward
+    ``profiles``: per-block costs (``backend.profile.BlockProfile``: output, kept, transient, stored bytes and forward
     seconds, at the real batch). ``units``: policies a section may take besides re-running (each weighed by
     its ``cost``). ``activation_scale`` corrects measured activation bytes (the engine's re-plan). The margin
-    covers the model's error. Raises ValueError naming the smallest reachable peak when nothing fits.
+    covers the model's error. ``measured``, ``grad_bytes``, ``calibration``: as for ``_Chain``. ``apply_bytes``:
+    what the optimizer's update needs beside the base and all gradients. ``spread``: bytes by which repeated
+    measured peaks differed: a plan's prediction plus this fits the margin, and the advised budget adds it
+    once more (another run measures again). Raises ``NoPlanFits`` (a
+    ValueError) naming the smallest reachable peak and the smallest budget that fits.
     """
     from .program import count_forward_runs
 
-    chain = _Chain(profiles, input_bytes)
+    chain = _Chain(profiles, input_bytes, measured, grad_bytes, calibration)
     total = chain.seconds(0, chain.n)
     overhead = 0.01 * total / max(1, chain.n) if section_overhead is None else section_overhead
     units = list(units)
+    apply_peak = base_bytes + chain.grads_after[0] + apply_bytes  # the optimizer step: every gradient at once
 
     def solver(limit):
         sol = _Solver(chain, limit, units, activation_scale, resolution, overhead)
         return sol, sol.solve()
 
-    limit = (1.0 - margin) * budget - base_bytes
-    sol, cost = solver(limit)
-    if cost == _INF:
-        smallest = _smallest_peak(solver, base_bytes, margin)
-        raise ValueError(
+    def planned(sol, cost, plan_budget):
+        choices, peaks = [], [apply_peak]
+        sol.tree(0, chain.n, sol.R, float(base_bytes), choices, peaks)
+        schedule = _to_schedule(choices, chain.n)
+        leaves = tuple(sorted((s, t) for s, t, kind, *_ in choices if kind == "leaf"))
+        return Plan(schedule, int(max(peaks)), cost - total - overhead * schedule.num_sections, plan_budget,
+                    base_bytes, tuple(count_forward_runs(schedule)), leaves, margin,
+                    sum(1 for span in leaves if span in chain.measured))
+
+    def fits(plan_budget):
+        """The solved plan at this budget, or None."""
+        if apply_peak + spread > (1.0 - margin) * plan_budget:
+            return None
+        solved = solver((1.0 - margin) * plan_budget - base_bytes - spread)
+        return solved if solved[1] < _INF else None
+
+    solved = fits(budget)
+    if solved is None:
+        # The least memory any schedule needs (exact bytes), then the least budget whose slotted plan fits it.
+        need = _least_memory(chain, units, activation_scale)
+        smallest = max(int(need + base_bytes), apply_peak)
+        # Another run measures again: its floor moves by up to the spread seen here.
+        advised = math.ceil((smallest + 2 * spread) / (1 - margin) / 2**20) * 2**20
+        while (solved := fits(advised)) is None:
+            advised += max(2**20, int(advised / resolution))
+        sol, cost = solved
+        spread_note = (f" and twice the {human_bytes(spread)} by which the probe's repeated runs differed "
+                       f"(another run measures again)") if spread else ""
+        raise NoPlanFits(
             f"memory_budget={human_bytes(budget)} ({budget} bytes): no partition fits; the smallest predicted "
             f"peak reachable is {human_bytes(smallest)} ({smallest} bytes), and plans keep a {margin:.0%} "
-            f"safety margin below the budget: the smallest budget that fits is about "
-            f"{human_bytes(math.ceil(smallest / (1 - margin) / 2**20) * 2**20)}.")
-    choices, peaks = [], []
-    sol.tree(0, chain.n, sol.R, float(base_bytes), choices, peaks)
-    schedule = _to_schedule(choices, chain.n)
-    return Plan(schedule, int(max(peaks)), cost - total - overhead * schedule.num_sections, budget, base_bytes,
-                tuple(count_forward_runs(schedule)))
+            f"safety margin below the budget{spread_note}: the smallest budget that fits is about "
+            f"{human_bytes(advised)}.", smallest, planned(sol, cost, advised), advised)
+    return planned(*solved, budget)
 
 
-def _smallest_peak(solver, base_bytes: int, margin: float) -> int:
-    """Bisect on the budget for the smallest predicted peak any schedule reaches."""
-    hi = 1.0
-    while solver(hi)[1] == _INF:
-        hi *= 2
-    lo = hi / 2 if hi > 1 else 0.0
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if solver(mid)[1] < _INF else (mid, hi)
-    return int(hi + base_bytes)
+def _least_memory(chain: _Chain, units: list, scale: float) -> float:
+    """The least memory beside the base any schedule of the chain needs, under the solver's model in exact
+    bytes (a min-max recursion over the same choices: leaf, a unit policy, or keep a border and split)."""
+    n, border, after = chain.n, chain.border, chain.grads_after
+    g: dict = {}
+    for length in range(1, n + 1):
+        for s in range(0, n - length + 1):
+            t = s + length
+            best = chain.section(s, t, scale).activation_bytes + after[t]
+            for q in range(s + 1, t):
+                for policy in units:
+                    pc = policy.cost(chain.section(s, q, scale))
+                    best = min(best, max(pc.kept_bytes + border[q] + g[(q, t)],
+                                         pc.kept_bytes + pc.backward_bytes + border[q] + after[q] - border[t]))
+                best = min(best, max(border[q] + g[(q, t)], border[q] - border[t] + g[(s, q)]))
+            g[(s, t)] = best
+    return g[(0, n)]
+
+
+def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: int = 12, spread=None,
+                  **options) -> Plan:
+    """``plan_schedule`` whose chosen sections are measured: plan, measure each re-run section of the plan that
+    was estimated (``measure(s, t)``: its activation bytes as one compiled run), plan again with those
+    figures, until the plan's sections are all measured (or ``max_rounds``). Sections not measured are
+    estimated from their blocks times the median ratio measured/estimated so far. When nothing fits, the
+    schedule reaching the smallest peak is measured the same way (two rounds; then the largest ratio
+    estimates what is left) before the error names it. ``spread()``: the
+    bytes by which the probe's repeated runs of one section differed so far."""
+    measured: dict = {}
+    chain = _Chain(profiles, input_bytes)
+    margin = options.pop("margin", 0.1)
+    refusals, error = 0, None
+    for _ in range(max_rounds):
+        ratios = sorted(measured[k] / max(1, chain.estimate(*k)) for k in measured) or [1.0]
+        # Refused twice: the schedules near the floor have many small sections, and measuring each round's new
+        # ones would not end soon; the rest are estimated by the largest ratio seen, so the advice errs high.
+        calibration = ratios[-1] if refusals >= 2 else ratios[len(ratios) // 2]
+        # A step's peak moves with the executor's op order: plans keep the spread measured below the margin.
+        kwargs = dict(options, measured=measured, calibration=calibration, margin=margin,
+                      spread=spread() if spread is not None else 0)
+        try:
+            plan = plan_schedule(profiles, input_bytes, budget, **kwargs)
+            error = None
+        except NoPlanFits as err:
+            plan, error = err.plan, err
+            refusals += 1
+            if refusals > 2:
+                raise
+        new = [span for span in plan.leaves if span not in measured]
+        if not new:
+            if error is not None:
+                raise error
+            return replace(plan, measured_sections=len(plan.leaves))
+        for span in new:
+            measured[span] = measure(*span)
+    if error is not None:
+        raise error
+    return plan

@@ -8,13 +8,13 @@ from typing import Sequence
 import tensorflow as tf
 
 from .. import rules
-from ..backend.profile import probe_slice, profile_blocks
+from ..backend.profile import SectionProbe, gradient_bytes, probe_slice, profile_blocks
 from ..backend.lean import lean_scope
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import local_size
 from ..backend.structure import nbytes
 from ..network.network import Network
-from ..schedule.planner import plan_schedule
+from ..schedule.planner import plan_measured
 from ..schedule.policies import KEEP_INPUT, Recompute, resolve
 from ..schedule.program import FORWARD, HOLD, LOSS, RESUME, Schedule, kept_policy
 from .base import Trainer, add_gradients
@@ -112,6 +112,7 @@ class Engine(Trainer):
             small, _ = probe_slice(self.network, batch, self.probe_batch or real)
             with lean_scope(self.lean):  # the blocks measured as the sections will run them
                 self.profiles = profile_blocks(self.network, small, real, self.meter)
+            self.section_probe = SectionProbe(self.network, small, real, self.meter)
             self.plan = self._plan()
             schedule = self.plan.schedule
         else:
@@ -121,14 +122,23 @@ class Engine(Trainer):
         return list(schedule.starts), [p.name for p in schedule.policies]
 
     def _plan(self, scale: float = 1.0):
-        return plan_schedule(self.profiles, nbytes(self._input_specs), self.memory_budget,
-                             base_bytes=self._base_bytes(), activation_scale=scale)
+        probe = self.section_probe
+        with lean_scope(self.lean):  # blocks and sections are measured (lazily, here) as the sections will run
+            return plan_measured(self.profiles, nbytes(self._input_specs), self.memory_budget, probe,
+                                 spread=probe.largest_spread, base_bytes=self._base_bytes(), activation_scale=scale,
+                                 grad_bytes=gradient_bytes(self.network), apply_bytes=self._apply_bytes())
 
     def _base_bytes(self) -> int:
-        """Memory alive through a whole step: variables, optimizer slots (built next) and the batch."""
+        """Memory alive through a whole step: variables, the optimizer's own variables (slots) and the batch."""
+        if not getattr(self.optimizer, "built", False):
+            self.optimizer.build(self.network.trainable_variables)
         variables = sum(nbytes(v) for v in self.network.variables)
-        slots = 2 * sum(nbytes(v) for v in self.network.trainable_variables)
+        slots = sum(nbytes(v) for v in self.optimizer.variables)
         return variables + slots + self._batch_bytes
+
+    def _apply_bytes(self) -> int:
+        """The optimizer update's temporaries beside every gradient: about two of the largest variable."""
+        return 2 * max((nbytes(v) for v in self.network.trainable_variables), default=0)
 
     def _compile(self) -> None:
         self._fns = [SectionFunctions(self.network, s, c, self.jit_compile, scale_loss=self._scale_loss,

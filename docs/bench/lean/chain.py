@@ -14,7 +14,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from sections.backend import lean as _lean  # noqa: E402
-from sections._memory import MemoryMeter  # noqa: E402
+from sections.backend.memory import MemoryMeter  # noqa: E402
 
 MiB = 2**20
 
