@@ -15,6 +15,10 @@ and the temporaries it makes change, with the same math (equal within rounding):
   output (TensorFlow's keeps the input, a tensor nothing else may need). ReLU, ReLU6, sigmoid, tanh, ELU and
   SELU already differentiate from their output in TensorFlow: nothing to gain, left alone.
 
+Known cost: ``tf.custom_gradient`` inside a ``tf.function`` registers its gradient in TensorFlow's global registry,
+whose closure holds the traced graph (and so the variables it captured) for the life of the process: an engine
+dropped in a process that builds many (a test run) leaves its lean-traced graphs and variables resident.
+
 Lean calls apply only inside ``lean_scope()`` (the engine enters it while tracing a section's training run),
 and only to layers of exactly these classes (a subclass may change the math): outside it every layer runs its
 own ``call``.
