@@ -6,8 +6,8 @@ from sections import allocator; allocator.configure()
 import keras, numpy as np, tensorflow as tf
 from models.keras_app import build_keras_app
 from sections import Engine
-from sections._profile import SectionProbe, probe_slice, gradient_bytes
-from sections._structure import nbytes
+from sections.backend.profile import SectionProbe, gradient_bytes, probe_slice
+from sections.backend.structure import nbytes
 MiB = 2**20
 keras.utils.set_random_seed(0)
 rng = np.random.default_rng(0)
