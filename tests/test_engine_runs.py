@@ -67,6 +67,7 @@ def test_int_sections_balance_activation_bytes_counted_from_shapes():
     assert max(cuts[0]) <= 5 and min(engine.shape_costs) > 0
 
 
+@pytest.mark.slow  # ~8 s: a measured comparison
 def test_recompute_peak_is_well_under_whole_graph_peak():
     batch = make_batch(n=128, size=32, classes=10)
     peaks = {}

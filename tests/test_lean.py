@@ -191,7 +191,7 @@ def float64_batch(n=8):
 
 
 @pytest.mark.parametrize("factory,sections", [
-    pytest.param(small_resnet, 3, marks=pytest.mark.slow),  # ~6 s; the fast set's equivalence tests run lean too
+    pytest.param(small_resnet, 3, marks=pytest.mark.slow),  # ~6 s; the from_keras case stays in the fast set
     (keras_functional, ["a1", "pool"])], ids=["resnet", "from_keras"])
 def test_whole_models_with_lean_gradients_equal_a_plain_step_in_float64(factory, sections):
     use("float64")
@@ -212,6 +212,7 @@ def test_whole_models_with_lean_gradients_equal_a_plain_step_in_float64(factory,
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14, err_msg=b.path)
 
 
+@pytest.mark.slow  # ~4 s; lean is opt-in, the layer tests stay fast
 def test_lean_off_builds_no_lean_gradient_and_both_equal_the_reference():
     batch = make_batch()
     ref, net = twin_networks(hard_network, batch)

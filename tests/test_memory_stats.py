@@ -75,6 +75,7 @@ def test_without_statistics_nothing_reads_zero_and_nothing_plans(tmp_path):
     # sections=auto's refusal without statistics: in the library test below (one subprocess fewer here)
 
 
+@pytest.mark.slow  # ~6 s: a subprocess
 def test_a_library_user_who_loaded_tensorflow_first_gets_one_warning():
     script = textwrap.dedent("""
         import warnings

@@ -265,6 +265,7 @@ def test_model_yaml_instantiates_and_default_sections_resolve(name, digits, reve
     assert net.metrics.keys() == {"accuracy"}
 
 
+@pytest.mark.slow  # ~5 s
 def test_compare_with_whole_handles_sparse_embedding_gradients():
     from sections import compare_with_whole
 

@@ -79,6 +79,7 @@ def test_run_folder_holds_config_table_metrics_and_checkpoints(tiny_run):
     assert "step 4/4" in proc.stdout
 
 
+@pytest.mark.slow  # ~6 s: a run and tensorboard's start
 def test_console_is_short_and_the_tensorboard_hint_runs(tiny_run):
     out, proc = tiny_run
     assert "cuInit" not in proc.stderr and "absl::InitializeLog" not in proc.stderr
@@ -251,6 +252,7 @@ def test_sweep_makes_one_run_per_job_with_hparams_and_clean_state(tmp_path):
     assert "2 jobs, 2 completed, 0 failed" in proc.stdout
 
 
+@pytest.mark.slow  # ~14 s: a three-job sweep
 def test_failing_sweep_job_does_not_stop_the_others(tmp_path):
     sweep = tmp_path / "sweep"
     proc = runner("-m", *TINY, "train.steps=1", "batch=0,8", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",

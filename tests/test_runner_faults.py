@@ -147,6 +147,7 @@ def _sgd_run(tmp_path) -> Path:
     return run
 
 
+@pytest.mark.slow  # ~10 s: three runs
 def test_resume_of_a_held_folder_refuses_and_an_sgd_run_takes_a_new_momentum(tmp_path, capsys):
     """Another process holds the folder: one line naming it. Once it is gone (its lock stale), the resume runs,
     judging `optimizer.momentum=0.5` against the run's own SGD config (not the default Adam's keys)."""
@@ -266,6 +267,7 @@ def _full(what: str):
     return tf.errors.ResourceExhaustedError(None, None, f"{what}; No space left on device")
 
 
+@pytest.mark.slow  # ~5 s: a run on a full disk
 def test_a_full_disk_while_writing_events_is_one_line_and_keeps_what_was_written(tmp_path, monkeypatch, capsys):
     import tensorflow as tf
 

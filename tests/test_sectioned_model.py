@@ -278,6 +278,7 @@ def test_backup_and_restore_with_dropout_resumes_as_keras_does(tmp_path):
     assert_same_update(plain, model, flat(built(conv_net)))
 
 
+@pytest.mark.slow  # ~6 s: two fits with every standard callback
 def test_standard_callbacks_act_alike(tmp_path):
     """EarlyStopping, ReduceLROnPlateau and CSVLogger see the same logs and act at the same epochs."""
     x, y = images()

@@ -7,6 +7,7 @@ instead of running them, so nothing is installed.
 from __future__ import annotations
 
 import stat
+import re
 import sys
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def test_gpu_extra_pins_the_same_tensorflow_as_the_dependencies():
     import tomllib
 
     project = tomllib.loads((tasks.ROOT / "pyproject.toml").read_text())["project"]
-    (tf,) = [d for d in project["dependencies"] if d.startswith("tensorflow")]
+    (tf,) = [d for d in project["dependencies"] if re.match(r"tensorflow\b(?![-_])", d)]  # not tensorflow-datasets
     assert project["optional-dependencies"]["gpu"] == [tf.replace("tensorflow", "tensorflow[and-cuda]", 1)]
 
 
