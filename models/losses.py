@@ -53,12 +53,17 @@ def token_accuracy(target_key: str = "target_out", pad_id: int = PAD_ID):
     return accuracy
 
 
+def _values(outputs, batch, label_key: str):
+    """Float targets and the outputs in their shape, both float32."""
+    targets = tf.cast(batch[label_key], tf.float32)
+    return tf.reshape(tf.cast(outputs, tf.float32), tf.shape(targets)), targets
+
+
 def regression_loss(label_key: str = "label"):
     """Mean squared error of the outputs against float targets ``batch[label_key]`` (any shape, flattened)."""
 
     def loss(outputs, batch):
-        targets = tf.cast(batch[label_key], tf.float32)
-        outputs = tf.reshape(tf.cast(outputs, tf.float32), tf.shape(targets))
+        outputs, targets = _values(outputs, batch, label_key)
         return tf.reduce_mean(tf.square(outputs - targets))
 
     return loss
@@ -68,8 +73,7 @@ def regression_mae(label_key: str = "label"):
     """Mean absolute error of the outputs against float targets."""
 
     def mae(outputs, batch):
-        targets = tf.cast(batch[label_key], tf.float32)
-        outputs = tf.reshape(tf.cast(outputs, tf.float32), tf.shape(targets))
+        outputs, targets = _values(outputs, batch, label_key)
         return tf.reduce_mean(tf.abs(outputs - targets))
 
     return mae
