@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from sections.allocator import configure  # noqa: E402
@@ -62,3 +64,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in SLOW_CASES:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def float32_after():
+    """Restore float32 and the dtype policy after a test that switches them (float64, mixed precision)."""
+    import keras
+
+    policy = keras.config.dtype_policy()
+    yield
+    keras.config.set_floatx("float32")
+    keras.config.set_dtype_policy(policy)

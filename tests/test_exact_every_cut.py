@@ -28,12 +28,7 @@ INSIDE_BLOCKS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def float32_after():
-    policy = keras.config.dtype_policy()
-    yield
-    keras.config.set_floatx("float32")
-    keras.config.set_dtype_policy(policy)
+pytestmark = pytest.mark.usefixtures("float32_after")  # tests/conftest.py
 
 
 def exact(check, cuts, policy="recompute"):

@@ -19,12 +19,7 @@ from engine_nets import hard_network, make_batch, reference_train, twin_networks
 TOLERANCE = {"float32": 1e-5, "float64": 1e-12, "mixed_float16": 1e-5, "mixed_bfloat16": 1e-5}
 
 
-@pytest.fixture(autouse=True)
-def float32_after():
-    policy = keras.config.dtype_policy()
-    yield
-    keras.config.set_floatx("float32")
-    keras.config.set_dtype_policy(policy)
+pytestmark = pytest.mark.usefixtures("float32_after")  # tests/conftest.py
 
 
 def use(policy: str) -> None:

@@ -11,11 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_datasets as tfds
 
-tfds = pytest.importorskip("tensorflow_datasets")
-
-from models import data  # noqa: E402
-from test_data_sources import CHEAP, runner, tags  # noqa: E402
+from models import data
+from test_data_sources import CHEAP, runner, tags
 
 CLASSES = ["ant", "bee", "cow"]
 
