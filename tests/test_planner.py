@@ -127,9 +127,8 @@ def test_auto_sections_on_a_real_network_with_room_to_spare():
     assert "predicted peak" in engine.describe()
 
 
-def test_replans_when_the_first_measured_step_exceeds_the_prediction(monkeypatch):
-    """Inject a wrong cost model (activations measured 20x too small, blocks and sections): the first step's measured peak
-    exceeds the prediction, the engine scales its costs by the measurement, re-plans and says so."""
+def _underestimate(monkeypatch):
+    """A wrong cost model: activations measured 20x too small, blocks and sections."""
     from sections.step import engine as _engine
 
     real = _engine.profile_blocks
@@ -141,6 +140,13 @@ def test_replans_when_the_first_measured_step_exceeds_the_prediction(monkeypatch
     monkeypatch.setattr(_engine, "profile_blocks", underestimated)
     measure = _engine.SectionProbe.__call__
     monkeypatch.setattr(_engine.SectionProbe, "__call__", lambda self, s, t: measure(self, s, t) // 20)
+    return _engine
+
+
+def test_replans_when_the_first_measured_step_exceeds_the_prediction(monkeypatch):
+    """With the wrong cost model and no dry steps at build, the first step's measured peak exceeds the
+    prediction; the engine scales its costs by the measurement, re-plans and says so."""
+    monkeypatch.setattr(_underestimate(monkeypatch), "DRY_STEPS", 0)
     batch = make_batch(n=64, size=16, classes=10)
     engine = Engine(conv_stack(depth=8, filters=16), keras.optimizers.SGD(0.1), sections="auto",
                     memory_budget="200MiB")  # room for the corrected plan too
@@ -151,6 +157,47 @@ def test_replans_when_the_first_measured_step_exceeds_the_prediction(monkeypatch
     second = engine.train_step(batch)
     assert np.isfinite(second["loss"])
     assert engine.plan.predicted_peak >= first["step_peak_bytes"] * 0.5
+
+
+def test_dry_steps_at_build_fold_what_the_model_missed_into_the_prediction(monkeypatch):
+    """With the wrong cost model, build's dry step measures more than the plan predicted: the excess joins the
+    fixed cost, the schedule is planned again, and the plan's prediction covers the dry step it kept."""
+    _engine = _underestimate(monkeypatch)
+    dry_peaks = []
+    measure_dry = _engine.Engine._dry_step
+    monkeypatch.setattr(_engine.Engine, "_dry_step",
+                        lambda self, batch: dry_peaks.append((self.schedule, measure_dry(self, batch))) or dry_peaks[-1][1])
+    engine = Engine(conv_stack(depth=8, filters=16), keras.optimizers.SGD(0.1), sections="auto",
+                    memory_budget="200MiB")
+    engine.build(make_batch(n=64, size=16, classes=10))
+    assert dry_peaks and engine.fixed_extra > 0
+    assert engine.plan.extra_bytes == engine.fixed_extra and "a dry step held" in engine.describe()
+    last = [peak for schedule, peak in dry_peaks if schedule == engine.schedule]
+    assert last and engine.plan.predicted_peak >= max(last)
+
+
+def test_a_dry_step_changes_no_variable_and_no_counter(monkeypatch):
+    """Build's dry steps run the cycle unapplied: every variable (weights, batch-norm statistics, seeds, the
+    optimizer's) reads as before, and the forward-run counters are back at zero."""
+    from sections.step import engine as _engine
+
+    seen = []
+    measure_dry = _engine.Engine._dry_step
+
+    def checked(self, batch):
+        before = [v.numpy().copy() for v in self.network.variables + self.optimizer.variables]
+        peak = measure_dry(self, batch)
+        after = [v.numpy() for v in self.network.variables + self.optimizer.variables]
+        seen.append(all(np.array_equal(a, b) for a, b in zip(before, after)))
+        seen.append(all(int(c.numpy()) == 0 for c in self._counters))
+        return peak
+
+    monkeypatch.setattr(_engine.Engine, "_dry_step", checked)
+    net = conv_stack(depth=4)
+    engine = Engine(net, keras.optimizers.Adam(1e-3), sections="auto", memory_budget="10GiB")
+    engine.build(make_batch(n=32, size=8, classes=10))
+    assert seen and all(seen)
+    assert any("moving" in v.path for v in net.non_trainable_variables)  # state a dry step would move
 
 
 def test_a_step_over_the_prediction_but_inside_the_budget_keeps_its_plan_when_no_corrected_plan_fits(monkeypatch):

@@ -49,6 +49,7 @@ class Plan:
     leaves: tuple = ()  # (start, stop) block spans run as re-run sections (measured by plan_measured)
     margin: float = 0.1
     measured_sections: int = 0  # sections of this plan whose activations were measured as one run
+    extra_bytes: int = 0  # measured by a dry step beside the computed base (included in base_bytes)
 
     @property
     def starts(self) -> list:
@@ -62,7 +63,9 @@ class Plan:
         return (f"plan: {len(self.starts) + 1} section(s), policies {self.policies}, forward runs "
                 f"{list(self.forward_runs)}, predicted peak {human_bytes(self.predicted_peak)} (budget "
                 f"{human_bytes(self.budget)}, margin {self.margin:.0%}; {self.measured_sections} of "
-                f"{len(self.leaves)} re-run sections measured as one run), predicted re-run time "
+                f"{len(self.leaves)} re-run sections measured as one run"
+                + (f"; {human_bytes(self.extra_bytes)} a dry step held beyond the model" if self.extra_bytes else "")
+                + f"), predicted re-run time "
                 f"{self.rerun_seconds:.3f} s/step")
 
 
@@ -208,7 +211,7 @@ class NoPlanFits(ValueError):
 def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, margin: float = 0.1,
                   units=(Store(),), activation_scale: float = 1.0, resolution: int = 300,
                   section_overhead: float | None = None, measured=None, grad_bytes=None,
-                  calibration: float = 1.0, apply_bytes: int = 0, spread: int = 0) -> Plan:
+                  calibration: float = 1.0, apply_bytes: int = 0, spread: int = 0, extra_bytes: int = 0) -> Plan:
     """The schedule with the least predicted forward work whose predicted peak fits ``(1 - margin) * budget``.
 
     ``profiles``: per-block costs (``backend.profile.BlockProfile``: output, kept, transient, stored bytes and forward
@@ -217,12 +220,14 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
     covers the model's error. ``measured``, ``grad_bytes``, ``calibration``: as for ``_Chain``. ``apply_bytes``:
     what the optimizer's update needs beside the base and all gradients. ``spread``: bytes by which repeated
     measured peaks differed: a plan's prediction plus this fits the margin, and the advised budget adds it
-    once more (another run measures again). Raises ``NoPlanFits`` (a
+    once more (another run measures again). ``extra_bytes``: memory a measured step held beyond this model
+    (the engine's dry steps), added to the base. Raises ``NoPlanFits`` (a
     ValueError) naming the smallest reachable peak and the smallest budget that fits.
     """
     from .program import count_forward_runs
 
     chain = _Chain(profiles, input_bytes, measured, grad_bytes, calibration)
+    base_bytes += extra_bytes
     total = chain.seconds(0, chain.n)
     overhead = 0.01 * total / max(1, chain.n) if section_overhead is None else section_overhead
     units = list(units)
@@ -239,7 +244,7 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
         leaves = tuple(sorted((s, t) for s, t, kind, *_ in choices if kind == "leaf"))
         return Plan(schedule, int(max(peaks)), cost - total - overhead * schedule.num_sections, plan_budget,
                     base_bytes, tuple(count_forward_runs(schedule)), leaves, margin,
-                    sum(1 for span in leaves if span in chain.measured))
+                    sum(1 for span in leaves if span in chain.measured), extra_bytes)
 
     def fits(plan_budget):
         """The solved plan at this budget, or None."""
