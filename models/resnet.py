@@ -44,6 +44,8 @@ class ConvBNReLU(keras.layers.Layer):
 class PreActBlock(keras.layers.Layer):
     """BN, ReLU, 3x3 conv, BN, ReLU, (dropout), 3x3 conv, plus the identity or a strided 1x1 projection."""
 
+    has_conv2 = True
+
     def __init__(self, filters: int, stride: int = 1, dropout: float = 0.0, bn_momentum: float = 0.9,
                  seed: int = 0, **kwargs):
         super().__init__(**kwargs)
@@ -53,7 +55,7 @@ class PreActBlock(keras.layers.Layer):
         self.conv1 = _conv(filters, 3, stride, seed, "conv1")
         self.bn2 = keras.layers.BatchNormalization(momentum=bn_momentum, name="bn2")
         self.drop = keras.layers.Dropout(dropout, seed=seed + 1, name="dropout") if dropout > 0 else None
-        self.conv2 = _conv(filters, 3, 1, seed + 2, "conv2")
+        self.conv2 = _conv(filters, 3, 1, seed + 2, "conv2") if self.has_conv2 else None
         self.projection = None
 
     def build(self, input_shape):
@@ -61,22 +63,60 @@ class PreActBlock(keras.layers.Layer):
         self.conv1.build(input_shape)
         mid = self.conv1.compute_output_shape(input_shape)
         self.bn2.build(mid)
-        self.conv2.build(mid)
+        if self.conv2 is not None:
+            self.conv2.build(mid)
         if self.stride != 1 or input_shape[-1] != self.filters:
             self.projection = _conv(self.filters, 1, self.stride, self.seed + 3, "projection")
             self.projection.build(input_shape)
 
     def call(self, x, training=False):
-        a = tf.nn.relu(self.bn1(x, training=training))
-        shortcut = x if self.projection is None else self.projection(a)
-        r = tf.nn.relu(self.bn2(self.conv1(a), training=training))
-        if self.drop is not None:
-            r = self.drop(r, training=training)
+        shortcut, r = _first_half(self, x, training)
         return self.conv2(r) + shortcut
 
     def get_config(self):
         return {**super().get_config(), "filters": self.filters, "stride": self.stride, "dropout": self.dropout,
                 "bn_momentum": self.bn_momentum, "seed": self.seed}
+
+
+def _first_half(block, x, training):
+    """A pre-activation block up to its second convolution: ``(shortcut, r)``, the tensors alive there."""
+    a = tf.nn.relu(block.bn1(x, training=training))
+    shortcut = x if block.projection is None else block.projection(a)
+    r = tf.nn.relu(block.bn2(block.conv1(a), training=training))
+    if block.drop is not None:
+        r = block.drop(r, training=training)
+    return shortcut, r
+
+
+@serializable
+class PreActHead(PreActBlock):
+    """A ``PreActBlock`` without its second convolution, returning ``(shortcut, r)``: with ``PreActTail`` after it,
+    a block the planner can cut in the middle (the border is those two tensors). Same layers, names and seeds."""
+
+    has_conv2 = False  # the tail's
+
+    def call(self, x, training=False):
+        return _first_half(self, x, training)
+
+
+@serializable
+class PreActTail(keras.layers.Layer):
+    """The second convolution of a split pre-activation block, plus the shortcut: ``conv2(r) + shortcut``."""
+
+    def __init__(self, filters: int, seed: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.filters, self.seed = filters, seed
+        self.conv2 = _conv(filters, 3, 1, seed + 2, "conv2")
+
+    def build(self, input_shape):
+        self.conv2.build(input_shape[1])
+
+    def call(self, inputs, training=False):
+        shortcut, r = inputs
+        return self.conv2(r) + shortcut
+
+    def get_config(self):
+        return {**super().get_config(), "filters": self.filters, "seed": self.seed}
 
 
 @serializable
@@ -109,6 +149,7 @@ def build_resnet(
     seed: int = 0,
     vocab_size: int | None = None,
     targets: str = "class",
+    split_blocks: bool = False,
 ) -> Network:
     """The notebook's ResNet; scale ``i > 0`` starts with a stride-2 block to ``widths[i]`` filters.
 
@@ -123,6 +164,9 @@ def build_resnet(
         vocab_size: sequence data's argument; given, it raises a ValueError naming the mix-up.
         targets: the data's labels: ``class`` numbers (softmax cross-entropy, accuracy) or ``float`` values
             (``num_classes`` outputs, mean squared error, ``mae``).
+        split_blocks: each residual block as two blocks, ``scale{i}/block_{j}`` up to its second convolution and
+            ``scale{i}/block_{j}/conv2`` (the border between them is the shortcut and the second convolution's
+            input), so sections and the planner can cut inside residual blocks. Same layers and initial weights.
     """
     reject_data_args("resnet", "image data (num_classes, input_shape)", vocab_size=vocab_size)
     loss, metrics = head(targets)
@@ -132,13 +176,19 @@ def build_resnet(
     if len(widths) != len(depths):
         raise ValueError(f"widths={widths} and depths={depths} must have one entry per scale (same length).")
     dropout = check_rate("dropout", dropout)
+    if not isinstance(split_blocks, bool):
+        raise ValueError(f"split_blocks={split_blocks!r}: must be true or false.")
     seeds = SeedStream(seed)
     blocks = [("initial_conv", ConvBNReLU(widths[0], bn_momentum, seeds(), name="initial_conv"))]
     for i, (width, depth) in enumerate(zip(widths, depths)):
         for j in range(depth):
             name = f"scale{i}/block_{j}"
             stride = 2 if i > 0 and j == 0 else 1
-            layer = PreActBlock(width, stride, dropout, bn_momentum, seeds(), name=name.replace("/", "_"))
-            blocks.append((name, layer))
+            seed, layer_name = seeds(), name.replace("/", "_")
+            if split_blocks:
+                blocks.append((name, PreActHead(width, stride, dropout, bn_momentum, seed, name=layer_name)))
+                blocks.append((f"{name}/conv2", PreActTail(width, seed, name=f"{layer_name}_conv2")))
+            else:
+                blocks.append((name, PreActBlock(width, stride, dropout, bn_momentum, seed, name=layer_name)))
     blocks.append(("final_pool", PoolDense(num_classes, seeds(), name="final_pool")))
     return Network(blocks, loss=loss, inputs="image", metrics=metrics, loss_fields=("label",))

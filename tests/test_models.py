@@ -14,7 +14,7 @@ import models
 from models import data
 from engine_nets import reference_train
 from models.attention import BernoulliAttention, Classifier, bernoulli_gate
-from models.resnet import ConvBNReLU, PoolDense, PreActBlock
+from models.resnet import ConvBNReLU, PoolDense, PreActBlock, PreActHead, PreActTail
 from models.seq2seq import Decoder, Encoder
 from sections import Engine
 
@@ -101,6 +101,25 @@ def test_sectioned_steps_equal_whole_graph_steps(name, digits, reversal):
     _assert_same_variables(sectioned, whole)
 
 
+def test_split_resnet_cut_inside_residual_blocks_trains_like_the_whole_resnet(digits):
+    """``split_blocks=True``: sections start at the second convolution of residual blocks (a two-tensor border);
+    2 steps equal a plain tape loop over the unsplit ResNet of the same seed (same layers and initial weights)."""
+    batches = _batches(digits, 2)
+    split, whole = _build("resnet", digits, split_blocks=True), _build("resnet", digits)
+    whole.build(batches[0])
+    cuts = ["scale0/block_1/conv2", "scale1/block_0/conv2", "scale2"]
+    engine = Engine(split, keras.optimizers.Adam(1e-2), sections=cuts, check=True)
+    losses = [engine.train_step(b)["loss"] for b in batches]
+    reference = reference_train(whole, batches, keras.optimizers.Adam(1e-2))
+    np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-5)
+    named = lambda net: [v for v in net.variables if "seed_generator" not in v.path]  # numbered process-wide
+    ours = {v.path.replace("_conv2/conv2", "/conv2"): v for v in named(split)}
+    theirs = {v.path: v for v in named(whole)}
+    assert sorted(ours) == sorted(theirs) and len(split.blocks) == 2 * len(whole.blocks) - 2
+    for path, v in theirs.items():
+        np.testing.assert_allclose(ours[path].numpy(), v.numpy(), rtol=1e-4, atol=1e-5, err_msg=path)
+
+
 def test_resnet_blocks_and_notebook_sections(digits):
     net = models.build_resnet(**digits.model_args)
     assert net.block_names == (["initial_conv"] + [f"scale0/block_{j}" for j in range(3)]
@@ -142,6 +161,7 @@ def test_bad_arguments_name_the_value(builder, kwargs, match):
 
 @pytest.mark.parametrize("layer", [
     ConvBNReLU(8, seed=3), PreActBlock(8, stride=2, dropout=0.2, seed=4), PoolDense(10, seed=5),
+    PreActHead(8, stride=2, dropout=0.2, seed=4), PreActTail(8, seed=4),
     BernoulliAttention(seed=6), Classifier(10, 16, seed=9), Encoder(13, 8, 16, "lstm", seed=7), Decoder(13, 8, 16, "gru", seed=8),
 ])
 def test_layer_config_round_trip(layer):

@@ -1,6 +1,8 @@
 """Issue 22's targets: peak and time against whole-graph training, one process per job.
 
-Jobs: ``whole`` (a plain compiled GradientTape step), ``recompute_grad`` at 2/4/13 sections, the sectioned engine
+``--model``: ``resnet`` (the notebook ResNet, 28x28x1, Adam), ``resnet_split`` (the same with
+``split_blocks=True``: the planner may cut inside residual blocks), or a keras.applications name (96x96x3,
+``weights=None``, SGD with momentum). Jobs: ``whole`` (a plain compiled GradientTape step), ``recompute_grad`` at 2/4/13 sections, the sectioned engine
 at fixed partitions, and ``sections="auto"`` at fractions of whole's measured peak with lean gradients off and
 on. Each job builds its model in a fresh process (so no job's weights or caches count in another's peak), runs
 ``--steps`` steps and reports the largest step peak (allocator statistics) and the median step time of steps
@@ -35,10 +37,11 @@ def build(model: str, batch: int):
 
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
-    if model == "resnet":
+    if model in ("resnet", "resnet_split"):
         from models import build_resnet
 
-        net, shape, opt = build_resnet(num_classes=10, input_shape=(28, 28, 1)), (28, 28, 1), keras.optimizers.Adam(1e-3)
+        net = build_resnet(num_classes=10, input_shape=(28, 28, 1), split_blocks=model == "resnet_split")
+        shape, opt = (28, 28, 1), keras.optimizers.Adam(1e-3)
     else:
         from models.keras_app import build_keras_app
 
@@ -81,7 +84,7 @@ def job(args, kind: str, arg) -> dict:
     from sections.backend.structure import nbytes
 
     net, opt, data = build(args.model, args.batch)
-    cuts = (RESNET_CUTS[int(arg)] if args.model == "resnet" and kind in ("recompute_grad", "sectioned")
+    cuts = (RESNET_CUTS[int(arg)] if args.model.startswith("resnet") and kind in ("recompute_grad", "sectioned")
             else int(arg) if kind in ("recompute_grad", "sectioned") else None)
     out = {"job": kind, "arg": arg}
     t0 = time.perf_counter()
