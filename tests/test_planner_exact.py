@@ -1,0 +1,114 @@
+"""The planner's dynamic program against an exact search over a step's operations (sections/schedule/exact.py),
+which shares no code with it: on small random chains the plan is never cheaper than the optimum (one of them
+would be wrong), never over its budget, and within a stated factor of the optimum."""
+
+import random
+
+import pytest
+
+from sections import plan_schedule
+from sections.backend.profile import BlockProfile
+from sections.schedule.exact import exact_schedule, least_peak
+from sections.schedule.planner import NoPlanFits
+from sections.schedule.policies import Recompute, Store
+
+MiB = 2**20
+
+
+def random_chain(seed):
+    """4-7 blocks, sizes in tenths of a MiB (so the planner's 300 memory slots round), gradients per block."""
+    rng = random.Random(seed)
+    n = rng.randint(4, 7)
+    tenth = lambda lo, hi: rng.randint(lo, hi) * MiB // 10
+    ps = [BlockProfile(f"b{i}", tenth(1, 40), tenth(2, 120), tenth(1, 40), rng.choice([0.01, 0.02, 0.05, 0.1]),
+                       stored_bytes=tenth(2, 140)) for i in range(n)]
+    return ps, [tenth(0, 20) for _ in range(n)]
+
+
+def compare(ps, grads, limit, **options):
+    """(DP's objective or None, its predicted peak, the exact plan or None) at one limit beside the base."""
+    total = sum(p.forward_seconds for p in ps)
+    overhead = 0.01 * total / len(ps)
+    exact = exact_schedule(ps, limit, grad_bytes=grads, section_overhead=overhead, **options)
+    try:
+        plan = plan_schedule(ps, 0, int(limit), margin=0.0, grad_bytes=grads, section_overhead=overhead, **options)
+    except NoPlanFits:
+        return None, None, exact
+    return plan.rerun_seconds + total + overhead * plan.schedule.num_sections, plan.predicted_peak, exact
+
+
+#: The worst DP / optimum ratio measured over 200 such chains at 11 budgets each (2,000 comparisons) was 1.59
+#: (one plan of 2,000; the mean was 1.002, 3% had any gap): the causes are the planner's 300 memory slots and
+#: schedules outside its space (see exact.py). This factor is that measurement, not a design bound.
+FACTOR = 1.6
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_plan_is_never_cheaper_than_the_optimum_never_over_budget_and_within_the_factor(seed):
+    ps, grads = random_chain(seed)
+    floor = least_peak(ps, grad_bytes=grads)
+    whole = exact_schedule(ps, float("inf"), grad_bytes=grads).peak
+    assert exact_schedule(ps, floor - 1, grad_bytes=grads) is None
+    for k in range(11):
+        limit = floor + (whole - floor) * k / 10
+        dp, peak, exact = compare(ps, grads, limit)
+        assert exact is not None and exact.peak <= limit
+        if dp is None:  # below the planner's own floor (its space, or its slots): exact.py says why
+            assert k < 10, "the planner refused the whole chain's own peak"
+            continue
+        assert peak <= limit, (seed, k)
+        assert dp >= exact.cost * (1 - 1e-9), (seed, k, dp, exact.cost, exact.ops)
+        assert dp <= FACTOR * exact.cost, (seed, k, dp, exact.cost, exact.ops)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_other_units_and_measured_sections_are_priced_alike(seed):
+    """With ``Recompute`` as a unit too, and a measured whole-chain section, the plan still never beats the
+    optimum: both price sections from the same figures."""
+    ps, grads = random_chain(100 + seed)
+    measured = {(0, len(ps)): 12 * MiB, (1, len(ps)): 9 * MiB}
+    options = dict(units=(Store(), Recompute()), measured=measured, calibration=0.8)
+    floor = least_peak(ps, grad_bytes=grads, **options)
+    whole = exact_schedule(ps, float("inf"), grad_bytes=grads, **options).peak
+    for k in range(6):
+        limit = floor + (whole - floor) * k / 5
+        dp, peak, exact = compare(ps, grads, limit, **options)
+        if dp is not None:
+            assert peak <= limit and exact.cost * (1 - 1e-9) <= dp <= FACTOR * exact.cost, (seed, k)
+
+
+def test_the_dp_floor_is_never_below_the_exact_floor():
+    from sections.schedule.planner import _Chain, _least_memory
+
+    for seed in range(12):
+        ps, grads = random_chain(seed)
+        assert _least_memory(_Chain(ps, 0, grads=grads), [Store()], 1.0) >= least_peak(ps, grad_bytes=grads)
+
+
+def three_blocks():
+    """Each block keeps 10 MiB, 4 MiB transient, 2 MiB borders, a 12 MiB tape; 1, 2 and 3 s forward."""
+    return [BlockProfile(f"b{i}", 2 * MiB, 10 * MiB, 4 * MiB, float(i + 1), stored_bytes=12 * MiB)
+            for i in range(3)]
+
+
+@pytest.mark.parametrize("limit_mib, cost, peak_mib", [
+    (40, 6.0, 34),  # one section: activations 3 x 10 + 4
+    (34, 6.0, 34),
+    (33, 7.0, 26),  # keep border 1, re-run block 0: border 1 + blocks 1-2's 24 MiB
+    (26, 7.0, 26),
+    (25, 9.0, 18),  # keep borders 1 and 2, re-run blocks 0 and 1: 2 + 2 + 14
+    (18, 9.0, 18),
+    (17, None, None),  # block 2's backward needs border 2 and 14 MiB; then blocks 0-1 need 18 at least
+])
+def test_the_exact_search_finds_the_hand_computed_optimum(limit_mib, cost, peak_mib):
+    """Worked by hand: cost 6 needs every block run once (a tape on blocks 0-1 plus block 2 costs at least 40
+    MiB); cost 7 re-runs block 0 (26 MiB, or 30 with a tape on block 1); cost 8 (block 1 or block 0 twice more)
+    needs 26 MiB too; below 26 the cheapest keeps borders 1 and 2 (cost 9, 18 MiB), and nothing fits 17."""
+    ps = three_blocks()
+    plan = exact_schedule(ps, limit_mib * MiB, section_overhead=0.0)
+    if cost is None:
+        assert plan is None and least_peak(ps) == 18 * MiB
+        return
+    assert plan.cost == pytest.approx(cost) and plan.peak == peak_mib * MiB, plan.ops
+    dp = plan_schedule(ps, 0, limit_mib * MiB, margin=0.0, resolution=limit_mib, section_overhead=0.0)
+    assert dp.rerun_seconds + 6.0 == pytest.approx(cost)
