@@ -112,3 +112,20 @@ def test_the_exact_search_finds_the_hand_computed_optimum(limit_mib, cost, peak_
     assert plan.cost == pytest.approx(cost) and plan.peak == peak_mib * MiB, plan.ops
     dp = plan_schedule(ps, 0, limit_mib * MiB, margin=0.0, resolution=limit_mib, section_overhead=0.0)
     assert dp.rerun_seconds + 6.0 == pytest.approx(cost)
+
+
+def test_the_search_reaches_schedules_outside_the_planner_space():
+    """A border used once as a relay and dropped before the backward reaches it: border 2 re-creates border 3
+    for block 3's backward and is dropped, and blocks 0-2 re-run as one section from the batch. The planner
+    holds a kept border until its gradient arrives, so with exact 1-MiB slots it pays more at 25 MiB."""
+    rows = [(1, 5, 3, 0.1, 2), (3, 2, 3, 0.1, 3), (5, 3, 2, 0.05, 4), (5, 7, 4, 0.01, 12), (6, 3, 3, 0.1, 7),
+            (2, 12, 2, 0.1, 3)]  # output, kept, transient MiB; forward s; stored MiB
+    ps = [BlockProfile(f"b{i}", o * MiB, k * MiB, t * MiB, s, stored_bytes=st * MiB)
+          for i, (o, k, t, s, st) in enumerate(rows)]
+    grads = [g * MiB for g in (0, 1, 2, 0, 2, 2)]
+    exact = exact_schedule(ps, 25 * MiB, grad_bytes=grads, section_overhead=0.001)
+    # forward 0-1 and 2-3 once, block 4-5 as a section, block 2 again from border 2, block 3 as a section,
+    # blocks 0-2 as a section: 0.2 + 0.06 + 0.201 + 0.05 + 0.011 + 0.251
+    assert exact.cost == pytest.approx(0.773) and ("free", 2) in exact.ops, exact.ops
+    plan = plan_schedule(ps, 0, 25 * MiB, margin=0.0, resolution=25, grad_bytes=grads, section_overhead=0.001)
+    assert plan.rerun_seconds + 0.46 + 0.001 * plan.schedule.num_sections > exact.cost + 0.05
