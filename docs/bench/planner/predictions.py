@@ -107,7 +107,8 @@ def row(r, whole_peak):
     return (f"| {r['model']} | {budget} | {mib(r['predicted'])} | {mib(peak)} ({r['peaks'] and min(r['peaks']) / MiB:.0f}"
             f"-{peak / MiB:.0f}) | {r['predicted'] / peak:.3f} | {'yes' if peak <= r['budget'] else '**NO**'} "
             f"| {r['sections']} sections, runs {r['runs']}, {r['measured_spans']} spans measured, spread "
-            f"{r['spread'] / MiB:.1f} MiB, {r['seconds']:.2f} s/step{', re-planned' if r['replans'] else ''} |")
+            f"{r['spread'] / MiB:.1f} MiB, {r['seconds']:.2f} s/step; steps {[round(p / MiB) for p in r['peaks']]}"
+            + "".join(f"; {note}" for note in r["replans"]) + " |")
 
 
 def main():
