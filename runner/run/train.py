@@ -29,6 +29,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
     from runner.record.run_record import RunRecord
     from runner.run import datafeed
     from runner.run.checkpoint import Checkpoints
+    from runner.platform import distribute
     from runner.run.export import ModelFiles
 
     engine, data, train, changes = setup.engine, setup.data, cfg.train, changes or {}
@@ -57,7 +58,9 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
         eval_batch = train.eval_batch or cfg.batch
         progress = Progress(train.steps, start, train.progress, train.log_every)
         telemetry = Telemetry(record.board, cfg.batch)
-        model_files = ModelFiles(out, engine, data, setup.probe, train.get("save_model", True))
+        # Other workers of a multi-worker run would write into a scratch folder that is deleted: they save nothing.
+        save_model = train.get("save_model", True) if distribute.is_chief(setup.strategy) else False
+        model_files = ModelFiles(out, engine, data, setup.probe, save_model)
         evaluation = Evaluation(lambda: evaluate(engine, data, eval_batch), train.eval_every, train.steps,
                                 record.board, progress, then=model_files.evaluated)
         hooks = Hooks([Profiler(train.get("profile_steps"), out),
