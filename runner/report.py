@@ -153,9 +153,10 @@ def _frontier_plot(plt, runs: list[dict], second: Path) -> Path:
     colors = {"whole": "tab:green", "recompute_grad": "tab:orange", "sectioned": "tab:blue"}
     for r in runs:
         planned = bool(r.get("memory_budget_bytes"))  # sections=auto: the planner's choice under a budget
-        name = "sectioned auto (planner)" if planned else r["strategy"]
+        name = (f"sectioned auto (planner{', lean' if r.get('lean') else ''})" if planned else r["strategy"])
+        color = ("tab:purple" if r.get("lean") else "tab:red") if planned else colors.get(r["strategy"], "black")
         ax.scatter(r["peak_ratio"], r["time_ratio"], marker="*" if planned else markers.get(r["strategy"], "x"),
-                   color="tab:red" if planned else colors.get(r["strategy"], "black"), label=name,
+                   color=color, label=name,
                    s=80 if planned else None)
         note = f"{r['num_sections']}s b{r['batch']}"
         whole = r.get("whole_peak_bytes")

@@ -147,10 +147,12 @@ def describe_setup(engine, batch: int) -> dict:
         "policies": [s.policy for s in engine.sections],
         "num_blocks": len(engine.network.blocks),
         "memory_measured": bool(getattr(getattr(engine, "meter", None), "available", False)),
+        "lean": getattr(engine, "lean", None),  # None: a trainer without lean gradients (whole, recompute_grad)
     }
     if getattr(engine, "plan", None) is not None:
         info.update(memory_budget_bytes=engine.plan.budget, predicted_peak_bytes=engine.plan.predicted_peak,
-                    planner_margin=engine.plan.margin, planner_measured_sections=engine.plan.measured_sections)
+                    planner_margin=engine.plan.margin, planner_measured_sections=engine.plan.measured_sections,
+                    planner_extra_bytes=engine.plan.extra_bytes)
     return info
 
 
