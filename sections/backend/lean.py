@@ -15,9 +15,9 @@ and the temporaries it makes change, with the same math (equal within rounding):
   output (TensorFlow's keeps the input, a tensor nothing else may need). ReLU, ReLU6, sigmoid, tanh, ELU and
   SELU already differentiate from their output in TensorFlow: nothing to gain, left alone.
 
-Known cost: ``tf.custom_gradient`` inside a ``tf.function`` registers its gradient in TensorFlow's global registry,
-whose closure holds the traced graph (and so the variables it captured) for the life of the process: an engine
-dropped in a process that builds many (a test run) leaves its lean-traced graphs and variables resident.
+The custom gradients are ``graph_gradient.custom_gradient``: inside a ``tf.function`` each lives on its traced op
+and dies with the graph (``tf.custom_gradient`` would register it in TensorFlow's global registry, which keeps the
+graph and what it captured for the life of the process).
 
 Lean calls apply only inside ``lean_scope()`` (the engine enters it while tracing a section's training run),
 and only to layers of exactly these classes (a subclass may change the math): outside it every layer runs its
@@ -32,6 +32,8 @@ import threading
 
 import keras
 import tensorflow as tf
+
+from .graph_gradient import custom_gradient
 
 __all__ = ["lean_scope", "lean_active", "LEAN_LAYERS", "gradient_traces"]
 
@@ -107,7 +109,7 @@ def _lean_batch_norm(axes, axis, epsilon, has_scale, has_center, stats_dtype, ou
     ``recompute``: a function re-making ``x`` from its producer's input (a convolution or dense layer whose own
     gradient keeps that input anyway); then the backward keeps no input-sized tensor of its own."""
 
-    @tf.custom_gradient
+    @custom_gradient
     def batch_norm(x, mean, variance, *params):
         gamma = params[0] if has_scale else None
         beta = params[-1] if has_center else None
@@ -172,7 +174,7 @@ def _producer_call(layer, original, inputs, *args, **kwargs):
 
 # ---------------------------------------------------------------------------------------------- activations
 def _leaky_relu(x, slope):
-    @tf.custom_gradient
+    @custom_gradient
     def leaky(x):
         y = tf.nn.leaky_relu(x, alpha=slope)
 
@@ -188,7 +190,7 @@ def _leaky_relu(x, slope):
 
 
 def _softplus(x):
-    @tf.custom_gradient
+    @custom_gradient
     def softplus(x):
         y = tf.math.softplus(x)
 
