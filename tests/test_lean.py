@@ -157,11 +157,37 @@ def test_batch_norm_variants_fall_back_to_keras(kwargs):
     assert_lean_equals_plain(lambda: [bn(**kwargs)], image(), "float32", used=False)
 
 
-def test_a_subclass_of_batch_norm_runs_its_own_call():
-    class Mine(keras.layers.BatchNormalization):
-        pass
+class NamedBN(keras.layers.BatchNormalization):  # only configuration: the base class's call and moments
+    def __init__(self, **kwargs):
+        super().__init__(momentum=0.7, **kwargs)
 
-    assert_lean_equals_plain(lambda: [Mine()], image(), "float32", used=False)
+
+class NamedConv(keras.layers.Conv2D):
+    def __init__(self, **kwargs):
+        super().__init__(5, 3, padding="same", kernel_initializer=keras.initializers.GlorotUniform(3), **kwargs)
+
+
+class ShiftedBN(keras.layers.BatchNormalization):  # its own call around the base's: the base's part runs lean
+    def call(self, inputs, training=None, mask=None):
+        return super().call(inputs + 1.0, training=training, mask=mask)
+
+
+class ScaledMomentsBN(keras.layers.BatchNormalization):  # its own moments, which the lean call would bypass
+    def _moments(self, inputs, mask):
+        mean, variance = super()._moments(inputs, mask)
+        return mean, 2.0 * variance
+
+
+@pytest.mark.parametrize("bn_class,remade", [(NamedBN, True), (ShiftedBN, False)], ids=["configured", "super-call"])
+def test_subclasses_that_keep_what_lean_replaces_run_lean(bn_class, remade):
+    before = gradient_traces()["recomputed"]
+    assert_lean_equals_plain(lambda: [NamedConv(), bn_class()], image(), "float32")
+    # the subclassed convolution's output is re-made; ShiftedBN's input is the shifted one, kept
+    assert (gradient_traces()["recomputed"] > before) == remade
+
+
+def test_a_subclass_with_its_own_moments_runs_keras_batch_norm():
+    assert_lean_equals_plain(lambda: [ScaledMomentsBN()], image(), "float32", used=False)
 
 
 @pytest.mark.parametrize("layer", [

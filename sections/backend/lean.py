@@ -20,8 +20,9 @@ and dies with the graph (``tf.custom_gradient`` would register it in TensorFlow'
 graph and what it captured for the life of the process).
 
 Lean calls apply only inside ``lean_scope()`` (the engine enters it while tracing a section's training run),
-and only to layers of exactly these classes (a subclass may change the math): outside it every layer runs its
-own ``call``.
+and only where one of these classes' own ``call`` runs: for a layer of the class, of a subclass that keeps that
+``call``, or through a subclass's ``super().call``, unless the subclass overrides a method the class's call uses
+that the lean one does not (batch norm's ``_moments``). Outside it every layer runs its own ``call``.
 """
 
 from __future__ import annotations
@@ -248,6 +249,20 @@ LEAN_LAYERS = {
     keras.layers.ReLU: _relu_layer_call,
     keras.layers.Activation: _activation_layer_call,
 }
+# Methods a class's own call reaches through ``self`` that its lean call does not (the batch norm's computes its
+# moments itself; the others run the class's call, or read only attributes). The wrapper below runs only where
+# that class's call runs (a layer of it, of a subclass that keeps it, or a subclass's ``super().call``), so a
+# subclass overriding none of these computes with the lean call exactly what the class's call would.
+_BYPASSED = {keras.layers.BatchNormalization: ("_moments",)}
+_eligible: dict = {}
+
+
+def _runs_lean(layer_type: type, cls: type) -> bool:
+    """Whether a layer of ``layer_type`` (``cls`` or a subclass), running ``cls``'s call, may run it lean."""
+    key = (layer_type, cls)
+    if key not in _eligible:
+        _eligible[key] = all(getattr(layer_type, name) is getattr(cls, name) for name in _BYPASSED.get(cls, ()))
+    return _eligible[key]
 
 
 def _install() -> None:
@@ -259,7 +274,7 @@ def _install() -> None:
 
         @functools.wraps(original)
         def call(self, *args, __cls=cls, __original=original, __lean=lean, **kwargs):
-            if lean_active() and type(self) is __cls:
+            if lean_active() and _runs_lean(type(self), __cls):
                 out = __lean(self, __original, *args, **kwargs)
                 if out is not NotImplemented:
                     return out
