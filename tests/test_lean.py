@@ -339,5 +339,5 @@ def test_mixed_precision_engine_with_lean_gradients_equals_lean_off(policy):
 def test_sectioned_model_passes_lean_to_its_engine():
     inp = keras.Input((4,))
     model = keras.Model(inp, keras.layers.Dense(2, name="out")(keras.layers.Dense(3, name="hidden")(inp)))
-    assert SectionedModel(model, sections=1, lean=True).engine.lean is True
-    assert SectionedModel(model, sections=1).engine.lean is False  # opt-in (the registry leak: Engine's docstring)
+    assert SectionedModel(model, sections=1, lean=False).engine.lean is False
+    assert SectionedModel(model, sections=1).engine.lean is True  # the default
