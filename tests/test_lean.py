@@ -6,10 +6,15 @@ GradientTape, outside ``lean_scope``: it shares no code with the lean path. Grad
 runs Keras's own ops).
 """
 
+import gc
+import weakref
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.framework import ops
+from tensorflow.python.framework.func_graph import FuncGraph
 
 from sections import Engine, Network, SectionedModel
 from sections.backend.lean import gradient_traces, lean_scope
@@ -34,29 +39,32 @@ def relative_error(ours, theirs) -> float:
     return float(diff / np.sqrt(sum(np.sum(b * b) for b in theirs)))
 
 
-def run_layers(make, x, lean: bool, steps: int = 1):
+def run_layers(make, x, lean: bool, steps: int = 1, tape_outside: bool = False):
     """Fresh layers from ``make()`` built by their first call; ``steps`` tape steps (each with its own upstream
     gradient). Returns the last outputs, the gradients on the input and every trainable variable, and the
-    non-trainable variables' values after the steps."""
+    non-trainable variables' values after the steps. ``tape_outside``: the layers run in a ``tf.function`` of
+    their own and an eager tape differentiates its call (TensorFlow builds that function's backward itself)."""
     layers = make()
 
     def forward(x):
         h = x
-        for layer in layers:
-            h = layer(h, training=True) if isinstance(layer, keras.layers.BatchNormalization) else layer(h)
+        with lean_scope(lean):
+            for layer in layers:
+                h = layer(h, training=True) if isinstance(layer, keras.layers.BatchNormalization) else layer(h)
         return h
 
-    @tf.function
+    traced = tf.function(forward)
+
     def step(x, seed):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            with lean_scope(lean):
-                y = forward(x)
+            y = traced(x) if tape_outside else forward(x)
             upstream = tf.random.stateless_normal(tf.shape(y), seed, dtype=tf.float32)
             loss = tf.reduce_sum(tf.cast(y, tf.float32) * upstream)
         variables = [v for layer in layers for v in layer.trainable_variables]
         return y, tape.gradient(loss, [x] + variables)
 
+    step = step if tape_outside else tf.function(step)
     for i in range(steps):
         y, grads = step(x, tf.constant([i, 7]))
     state = [v.numpy() for layer in layers for v in layer.non_trainable_variables]
@@ -77,11 +85,11 @@ def image(shape=(4, 6, 6, 3), dtype="float32"):
     return tf.constant(x, dtype=dtype)
 
 
-def assert_lean_equals_plain(make, x, policy, kind="batch_norm", used=True, steps=2):
+def assert_lean_equals_plain(make, x, policy, kind="batch_norm", used=True, steps=2, tape_outside=False):
     before = gradient_traces()[kind]
-    y0, g0, s0 = run_layers(make, x, lean=False, steps=steps)
+    y0, g0, s0 = run_layers(make, x, lean=False, steps=steps, tape_outside=tape_outside)
     assert gradient_traces()[kind] == before  # the plain run never builds a lean gradient
-    y1, g1, s1 = run_layers(make, x, lean=True, steps=steps)
+    y1, g1, s1 = run_layers(make, x, lean=True, steps=steps, tape_outside=tape_outside)
     assert (gradient_traces()[kind] > before) == used
     np.testing.assert_array_equal(y1, y0)  # the forward is Keras's own ops
     for a, b in zip(s1, s0):
@@ -120,16 +128,66 @@ def test_batch_norm_on_dense_features():
     assert_lean_equals_plain(lambda: [dense(), bn(), keras.layers.LeakyReLU(0.2)], x, "float32")
 
 
+def test_lean_gradients_when_tensorflow_builds_the_traced_functions_backward():
+    """A tape outside the tf.function: the gradients come from the traced ops themselves (built lazily)."""
+    before = gradient_traces()
+    x = tf.constant(np.random.default_rng(1).normal(1.0, 2.0, size=(8, 6)), tf.float32)
+    dense = lambda: keras.layers.Dense(4, kernel_initializer=keras.initializers.GlorotUniform(4))  # noqa: E731
+    assert_lean_equals_plain(lambda: [dense(), bn(), keras.layers.LeakyReLU(0.2), keras.layers.Activation("softplus")],
+                             x, "float32", tape_outside=True)
+    after = gradient_traces()
+    assert after["recomputed"] > before["recomputed"] and after["activation"] >= before["activation"] + 2
+
+
+def test_a_lean_gradient_refuses_a_forward_that_reads_a_variable():
+    from sections.backend.graph_gradient import custom_gradient
+
+    v = tf.Variable(2.0)
+
+    @custom_gradient
+    def scaled(x):
+        return x * v, lambda dy: dy * v
+
+    with pytest.raises(ValueError, match=r"scaled reads variables \['Variable:0'\] inside its forward"):
+        tf.function(scaled).get_concrete_function(tf.TensorSpec([2]))
+
+
 @pytest.mark.parametrize("kwargs", [dict(renorm=True), dict(synchronized=True)], ids=str)
 def test_batch_norm_variants_fall_back_to_keras(kwargs):
     assert_lean_equals_plain(lambda: [bn(**kwargs)], image(), "float32", used=False)
 
 
-def test_a_subclass_of_batch_norm_runs_its_own_call():
-    class Mine(keras.layers.BatchNormalization):
-        pass
+class NamedBN(keras.layers.BatchNormalization):  # only configuration: the base class's call and moments
+    def __init__(self, **kwargs):
+        super().__init__(momentum=0.7, **kwargs)
 
-    assert_lean_equals_plain(lambda: [Mine()], image(), "float32", used=False)
+
+class NamedConv(keras.layers.Conv2D):
+    def __init__(self, **kwargs):
+        super().__init__(5, 3, padding="same", kernel_initializer=keras.initializers.GlorotUniform(3), **kwargs)
+
+
+class ShiftedBN(keras.layers.BatchNormalization):  # its own call around the base's: the base's part runs lean
+    def call(self, inputs, training=None, mask=None):
+        return super().call(inputs + 1.0, training=training, mask=mask)
+
+
+class ScaledMomentsBN(keras.layers.BatchNormalization):  # its own moments, which the lean call would bypass
+    def _moments(self, inputs, mask):
+        mean, variance = super()._moments(inputs, mask)
+        return mean, 2.0 * variance
+
+
+@pytest.mark.parametrize("bn_class,remade", [(NamedBN, True), (ShiftedBN, False)], ids=["configured", "super-call"])
+def test_subclasses_that_keep_what_lean_replaces_run_lean(bn_class, remade):
+    before = gradient_traces()["recomputed"]
+    assert_lean_equals_plain(lambda: [NamedConv(), bn_class()], image(), "float32")
+    # the subclassed convolution's output is re-made; ShiftedBN's input is the shifted one, kept
+    assert (gradient_traces()["recomputed"] > before) == remade
+
+
+def test_a_subclass_with_its_own_moments_runs_keras_batch_norm():
+    assert_lean_equals_plain(lambda: [ScaledMomentsBN()], image(), "float32", used=False)
 
 
 @pytest.mark.parametrize("layer", [
@@ -207,6 +265,42 @@ def test_whole_models_with_lean_gradients_equal_a_plain_step_in_float64(factory,
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-14, err_msg=b.path)
 
 
+def _func_graphs() -> dict:
+    return {id(o): o for o in gc.get_objects() if isinstance(o, FuncGraph)}
+
+
+def _train_and_drop(lean: bool) -> tuple[int, list]:
+    """Build an engine over a fresh from_keras model, train one step (the first section stored, so its backward is
+    built lazily outside the traced function; the last differentiated by a tape inside it) and drop everything.
+    Returns how many of the model's variables and the names of the engine's traced graphs still alive."""
+    before = _func_graphs()
+    engine = Engine(keras_functional(), keras.optimizers.SGD(0.1), sections=["pool"], policy=["store", "recompute"],
+                    lean=lean)
+    engine.train_step(float64_batch(4))
+    variables = [weakref.ref(v) for v in engine.network.variables]
+    graphs = [weakref.ref(g) for i, g in _func_graphs().items() if i not in before]
+    del engine
+    gc.collect()
+    return sum(v() is not None for v in variables), sorted(g().name for g in graphs if g() is not None)
+
+
+def test_dropped_lean_engines_leave_no_gradient_graph_or_variable_behind():
+    """tf.custom_gradient inside a tf.function registers every traced gradient in TensorFlow's process-wide
+    registry, which keeps the graph and the variables it captured forever; lean's own gradients must not. (A
+    lean-free engine leaves one graph behind: Keras's optimizer all-reduces through tf.custom_gradient.)"""
+    use("float64")
+    registry = len(ops._gradient_registry.list())
+    alive, plain_graphs = _train_and_drop(lean=False)
+    assert alive == 0
+    plain = len(ops._gradient_registry.list()) - registry  # what a lean-free engine registers (Keras's own)
+    registry = len(ops._gradient_registry.list())
+    traces = gradient_traces()
+    for _ in range(2):
+        assert _train_and_drop(lean=True) == (0, plain_graphs)
+    assert gradient_traces()["batch_norm"] > traces["batch_norm"]  # the lean gradients were built and used
+    assert len(ops._gradient_registry.list()) - registry == 2 * plain
+
+
 @pytest.mark.slow  # ~4 s; lean is opt-in, the layer tests stay fast
 def test_lean_off_builds_no_lean_gradient_and_both_equal_the_reference():
     batch = make_batch()
@@ -245,5 +339,5 @@ def test_mixed_precision_engine_with_lean_gradients_equals_lean_off(policy):
 def test_sectioned_model_passes_lean_to_its_engine():
     inp = keras.Input((4,))
     model = keras.Model(inp, keras.layers.Dense(2, name="out")(keras.layers.Dense(3, name="hidden")(inp)))
-    assert SectionedModel(model, sections=1, lean=True).engine.lean is True
-    assert SectionedModel(model, sections=1).engine.lean is False  # opt-in (the registry leak: Engine's docstring)
+    assert SectionedModel(model, sections=1, lean=False).engine.lean is False
+    assert SectionedModel(model, sections=1).engine.lean is True  # the default

@@ -15,13 +15,14 @@ and the temporaries it makes change, with the same math (equal within rounding):
   output (TensorFlow's keeps the input, a tensor nothing else may need). ReLU, ReLU6, sigmoid, tanh, ELU and
   SELU already differentiate from their output in TensorFlow: nothing to gain, left alone.
 
-Known cost: ``tf.custom_gradient`` inside a ``tf.function`` registers its gradient in TensorFlow's global registry,
-whose closure holds the traced graph (and so the variables it captured) for the life of the process: an engine
-dropped in a process that builds many (a test run) leaves its lean-traced graphs and variables resident.
+The custom gradients are ``graph_gradient.custom_gradient``: inside a ``tf.function`` each lives on its traced op
+and dies with the graph (``tf.custom_gradient`` would register it in TensorFlow's global registry, which keeps the
+graph and what it captured for the life of the process).
 
 Lean calls apply only inside ``lean_scope()`` (the engine enters it while tracing a section's training run),
-and only to layers of exactly these classes (a subclass may change the math): outside it every layer runs its
-own ``call``.
+and only where one of these classes' own ``call`` runs: for a layer of the class, of a subclass that keeps that
+``call``, or through a subclass's ``super().call``, unless the subclass overrides a method the class's call uses
+that the lean one does not (batch norm's ``_moments``). Outside it every layer runs its own ``call``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import threading
 
 import keras
 import tensorflow as tf
+
+from .graph_gradient import custom_gradient
 
 __all__ = ["lean_scope", "lean_active", "LEAN_LAYERS", "gradient_traces"]
 
@@ -107,7 +110,7 @@ def _lean_batch_norm(axes, axis, epsilon, has_scale, has_center, stats_dtype, ou
     ``recompute``: a function re-making ``x`` from its producer's input (a convolution or dense layer whose own
     gradient keeps that input anyway); then the backward keeps no input-sized tensor of its own."""
 
-    @tf.custom_gradient
+    @custom_gradient
     def batch_norm(x, mean, variance, *params):
         gamma = params[0] if has_scale else None
         beta = params[-1] if has_center else None
@@ -172,7 +175,7 @@ def _producer_call(layer, original, inputs, *args, **kwargs):
 
 # ---------------------------------------------------------------------------------------------- activations
 def _leaky_relu(x, slope):
-    @tf.custom_gradient
+    @custom_gradient
     def leaky(x):
         y = tf.nn.leaky_relu(x, alpha=slope)
 
@@ -188,7 +191,7 @@ def _leaky_relu(x, slope):
 
 
 def _softplus(x):
-    @tf.custom_gradient
+    @custom_gradient
     def softplus(x):
         y = tf.math.softplus(x)
 
@@ -246,6 +249,20 @@ LEAN_LAYERS = {
     keras.layers.ReLU: _relu_layer_call,
     keras.layers.Activation: _activation_layer_call,
 }
+# Methods a class's own call reaches through ``self`` that its lean call does not (the batch norm's computes its
+# moments itself; the others run the class's call, or read only attributes). The wrapper below runs only where
+# that class's call runs (a layer of it, of a subclass that keeps it, or a subclass's ``super().call``), so a
+# subclass overriding none of these computes with the lean call exactly what the class's call would.
+_BYPASSED = {keras.layers.BatchNormalization: ("_moments",)}
+_eligible: dict = {}
+
+
+def _runs_lean(layer_type: type, cls: type) -> bool:
+    """Whether a layer of ``layer_type`` (``cls`` or a subclass), running ``cls``'s call, may run it lean."""
+    key = (layer_type, cls)
+    if key not in _eligible:
+        _eligible[key] = all(getattr(layer_type, name) is getattr(cls, name) for name in _BYPASSED.get(cls, ()))
+    return _eligible[key]
 
 
 def _install() -> None:
@@ -257,7 +274,7 @@ def _install() -> None:
 
         @functools.wraps(original)
         def call(self, *args, __cls=cls, __original=original, __lean=lean, **kwargs):
-            if lean_active() and type(self) is __cls:
+            if lean_active() and _runs_lean(type(self), __cls):
                 out = __lean(self, __original, *args, **kwargs)
                 if out is not NotImplemented:
                     return out

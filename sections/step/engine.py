@@ -53,10 +53,8 @@ class Engine(Trainer):
             ``recreate`` or planner), no ``check``; ``peak_bytes`` per section reads ``None`` (only the step's
             peak is measured).
         lean: run batch normalization (training mode), leaky ReLU and softplus layers with gradients that keep
-            less (``sections.backend.lean``): the same forward ops, the same math, equal within rounding; ``False``
-            (the default): every layer's own Keras gradient. Off by default: TensorFlow's registry of graph-mode
-            custom gradients keeps every lean-traced graph (and what it captured) for the life of the process, so
-            a process that builds many engines holds the memory of dropped ones.
+            less (``sections.backend.lean``): the same forward ops, the same math, equal within rounding; ``False``:
+            every layer's own Keras gradient (bit-identical to a whole-graph step where the graphs match).
         probe_batch: examples the planner's per-block probe runs (``sections="auto"`` only); default: the real
             batch (one replica's share), so its memory and time are measured, not scaled from a small slice.
         device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
@@ -76,7 +74,7 @@ class Engine(Trainer):
     def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
                  policy="recompute", jit_compile: bool = False, check: bool = False,
                  memory_budget: int | str | None = None, probe_batch: int | None = None, device: str | None = None,
-                 distribute=None, one_graph: bool = False, lean: bool = False):
+                 distribute=None, one_graph: bool = False, lean: bool = True):
         fixed = sections if isinstance(sections, Schedule) else None
         if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
             sections, policy = fixed.num_sections, list(fixed.policies)

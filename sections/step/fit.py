@@ -51,7 +51,7 @@ class SectionedModel(keras.Model):
     """
 
     def __init__(self, model, sections=4, policy="recompute", memory_budget=None, check: bool = False,
-                 probe_batch: int | None = None, one_graph: bool = False, max_blocks: int = 64, lean: bool = False,
+                 probe_batch: int | None = None, one_graph: bool = False, max_blocks: int = 64, lean: bool = True,
                  name=None):
         _check_model(model)
         super().__init__(name=name or f"sectioned_{model.name}")
