@@ -300,13 +300,20 @@ def test_plans_use_measured_sections_and_name_every_one_they_measured():
 
 @pytest.mark.slow  # 20 s; test_the_advised_budget_fits_and_measured_steps_stay_within_it[1.0] is fast
 def test_a_plan_with_cuts_stays_within_its_budget_in_measured_steps():
-    """One section's predicted peak, then 0.6 of it as the budget: the plan cuts, and its measured steps stay
-    within the budget and within the prediction plus the probe's measured spread."""
+    """A budget halfway between the smallest that fits (the planner's advice) and one section's predicted peak:
+    the plan cuts, and its measured steps stay within the budget and within the prediction plus the probe's
+    measured spread."""
+    from sections.schedule.planner import NoPlanFits
+
     batch = make_batch(n=8, size=32, classes=10)
     one = Engine(conv_stack(depth=8), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
                  memory_budget="10GiB")
     one.build(batch)
-    budget = int(0.6 * one.plan.predicted_peak)
+    with pytest.raises(NoPlanFits) as refused:
+        Engine(conv_stack(depth=8), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
+               memory_budget="1MiB").build(batch)
+    assert refused.value.advised < one.plan.predicted_peak, "no room between the floor and one section"
+    budget = (refused.value.advised + one.plan.predicted_peak) // 2
     del one
     engine = Engine(conv_stack(depth=8), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
                     memory_budget=budget)
