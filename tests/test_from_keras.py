@@ -164,7 +164,11 @@ def skip_everywhere():
 
 @pytest.mark.parametrize("sections", [["conv_0", "bn_1", "drop_2"], 4, "auto"], ids=str)
 def test_skip_connection_crossing_every_cut(sections):
-    extra = {"memory_budget": "1GiB"} if sections == "auto" else {}
+    # The budget counts what the process already holds (the planner's dry step measures the device): after the
+    # slow keras.applications cases about 1 GiB stays resident in the test process.
+    extra = {}
+    if sections == "auto":
+        extra["memory_budget"] = tf.config.experimental.get_memory_info("CPU:0")["current"] + 2**30
     engine = check_exact(skip_everywhere, sections, batch=image_batch((8, 8, 3)), **extra)
     for s in engine.sections[1:]:
         names = s.block_names
