@@ -176,7 +176,8 @@ def main():
         r = whole if kind == "whole" else run(args, kind, arg)
         if kind == "auto":
             r["frac"] = arg[0] / wp
-        results.append(r) if kind != "whole" else None
+        if kind != "whole":
+            results.append(r)
         name = label(r)
         if "refused" in r or "error" in r:
             print(f"| {name} | {r.get('refused') or r.get('error')} |", flush=True)
