@@ -49,7 +49,7 @@ class Plan:
     leaves: tuple = ()  # (start, stop) block spans run as re-run sections (measured by plan_measured)
     margin: float = 0.1
     measured_sections: int = 0  # sections of this plan whose activations were measured as one run
-    extra_bytes: int = 0  # measured by a dry step beside the computed base (included in base_bytes)
+    extra_bytes: int = 0  # a dry step's measured peak minus the model's (included in base_bytes; may be < 0)
 
     @property
     def starts(self) -> list:
@@ -64,7 +64,9 @@ class Plan:
                 f"{list(self.forward_runs)}, predicted peak {human_bytes(self.predicted_peak)} (budget "
                 f"{human_bytes(self.budget)}, margin {self.margin:.0%}; {self.measured_sections} of "
                 f"{len(self.leaves)} re-run sections measured as one run"
-                + (f"; {human_bytes(self.extra_bytes)} a dry step held beyond the model" if self.extra_bytes else "")
+                + (f"; {human_bytes(self.extra_bytes)} a dry step held beyond the model" if self.extra_bytes > 0
+                   else f"; a dry step held {human_bytes(-self.extra_bytes)} less than the model" if self.extra_bytes
+                   else "")
                 + f"), predicted re-run time "
                 f"{self.rerun_seconds:.3f} s/step")
 

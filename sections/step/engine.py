@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import replace
 from typing import Sequence
 
@@ -100,6 +101,9 @@ class Engine(Trainer):
         self._plan_kept = False
         self.fixed_extra = 0  # bytes a dry step measured beside the computed base (what the model leaves out)
         self._refusal: NoPlanFits | None = None
+        self._dry_spread = 0  # the largest difference between a dry step's two runs
+        # Variables the loss updates beside the network's state (Keras metrics under fit): dry steps restore them.
+        self.dry_state = lambda: ()
 
     # ------------------------------------------------------------------ partition
     def _settle(self, batch):
@@ -150,53 +154,91 @@ class Engine(Trainer):
             raise self._refusal
 
     def _calibrate(self, batch) -> None:
-        """Run the plan's step without applying it (state restored) and compare its measured peak with the
-        prediction. The planner composes a peak from what it measured of each section; the real step also holds
-        what no section probe sees (the executor's buffers, kernel scratch, tensors the Python loop still
-        references), 5-15% of the peak on keras.applications models. That excess, when there is one, is added
-        to the fixed cost and the schedule planned again (and dry-run again if it changed). A plan whose own dry
-        step stayed within ``1 - margin / 2`` of the budget runs even where the corrected model fits nothing
-        inside the margin (a step's peak moves by a few percent with the executor's op order: the rest of the
-        margin is for that), as a measured step inside the budget keeps its plan during training."""
+        """Dry steps: run plans' steps without applying them (state restored) and keep the fastest one that fits.
+
+        The planner composes a peak from what it measured of each section; a real step also holds what no section
+        probe sees (the executor's buffers, kernel scratch, tensors the Python loop still references) and can
+        hold less (sections measured alone keep more than they do inside a step). The gap between a dry step and
+        its prediction joins the fixed cost (either way) and the schedule is planned again: a plan predicted too
+        high makes room for a faster one, too low for a smaller one; each new schedule is dry-run too (up to
+        ``DRY_STEPS``). A plan fits when its dry step plus the probe's run-to-run spread is within the budget and
+        the dry step within ``1 - margin / 2`` of it (``_fits``); the fastest plan that fits runs, its prediction
+        at least what its dry step measured. When none fits, the refusal names the smallest dry step measured and the
+        budget that would fit it."""
+        runs: list = []  # (plan, measured, the fixed cost that makes its prediction the measurement, state)
         for _ in range(DRY_STEPS):
             measured = self._dry_step(batch)
-            within = measured <= (1 - self.plan.margin / 2) * self.memory_budget
-            if self._refusal is not None and within:
-                self._keep(measured, f"the smallest plan's predicted peak did not fit the budget, but its dry step "
-                                     f"measured {rules.human_bytes(measured)}")
-                return
-            excess = measured - self.plan.predicted_peak
-            if excess <= 0:
-                return
-            self.fixed_extra += excess
+            self.fixed_extra = measured - (self.plan.predicted_peak - self.plan.extra_bytes)
+            runs.append((self.plan, measured, self.fixed_extra, self._compiled()))
+            fitting = [run for run in runs if self._fits(run[1])]
             try:
                 plan, refusal = self._plan(self._activation_scale), None
             except NoPlanFits as err:
                 plan, refusal = err.plan, err
-            if refusal is not None and within:
-                self._keep(measured, f"a dry step measured {rules.human_bytes(measured)}, over the prediction "
-                                     f"{rules.human_bytes(self.plan.predicted_peak)}; no corrected plan fits")
-                return
-            self._refusal = refusal
-            changed = plan.schedule != self.schedule
-            self.plan = plan
-            if not changed:
-                return
+            done = fitting and fitting[-1][0].rerun_seconds <= 0  # one section, nothing re-run: none is faster
+            if done or (refusal is not None and fitting) or any(plan.schedule == run[3][0] for run in runs):
+                break
+            self.plan, self._refusal = plan, refusal
             self._adopt(plan.schedule)
+        fitting = [run for run in runs if self._fits(run[1])]
+        if fitting:
+            plan, measured, self.fixed_extra, state = min(fitting, key=lambda run: (run[0].rerun_seconds, run[1]))
+            if state[0] is not self.schedule:
+                self._restore(state)
+            self._refusal = None
+            self.plan = replace(plan, predicted_peak=max(measured, plan.predicted_peak), budget=self.memory_budget,
+                                extra_bytes=self.fixed_extra)
+            if len(runs) > 1:
+                tried = ", ".join(f"{rules.human_bytes(m)} ({_sections(p)})" for p, m, _, _ in runs)
+                self._log_replan(f"dry steps measured {tried}; the fastest plan that fits the budget "
+                                 f"{rules.human_bytes(self.memory_budget)} runs ({_sections(plan)})")
+            return
+        if not runs:  # no dry steps: the model's plan (or refusal) stands
+            return
+        plan, measured, _, _ = min(runs, key=lambda run: run[1])
+        advised = self._advised(measured)
+        self._refusal = NoPlanFits(
+            f"memory_budget={rules.human_bytes(self.memory_budget)} ({self.memory_budget} bytes): no partition "
+            f"fits; the smallest plan's dry step (run unapplied at build) measured {rules.human_bytes(measured)} "
+            f"({measured} bytes); a plan runs when its dry step plus the {rules.human_bytes(self._spread())} by "
+            f"which identical runs may differ is within the budget and the dry step within {1 - plan.margin / 2:.0%} "
+            f"of it, and another run's dry step may read that much higher: the smallest budget that fits is about "
+            f"{rules.human_bytes(advised)}.",
+            measured, plan, advised)
 
-    def _keep(self, measured: int, why: str) -> None:
-        """The current plan runs, its prediction the dry step's measured peak."""
-        self._refusal = None
-        self.plan = replace(self.plan, predicted_peak=measured, budget=self.memory_budget,
-                            extra_bytes=self.fixed_extra)
-        self._log_replan(f"{why}, inside {1 - self.plan.margin / 2:.0%} of the budget "
-                         f"{rules.human_bytes(self.memory_budget)}: the plan runs")
+    def _spread(self) -> int:
+        """How far a step's peak may move between identical runs: the most the probe's sections or a dry step's two
+        runs moved, and at least the largest block output (the executor's op order may keep one more activation
+        alive; a few runs need not show it)."""
+        largest = max((p.output_bytes for p in self.profiles or ()), default=0)
+        return max(self.section_probe.largest_spread(), self._dry_spread, largest)
+
+    def _fits(self, measured: int) -> bool:
+        """Whether a plan whose dry step measured ``measured`` bytes runs under the budget."""
+        return (measured + self._spread() <= self.memory_budget
+                and measured <= (1 - self.plan.margin / 2) * self.memory_budget)
+
+    def _advised(self, measured: int) -> int:
+        """The smallest budget (whole MiB) that a plan whose dry step measured ``measured`` fits in another run,
+        whose dry step may read up to the spread higher."""
+        again = measured + self._spread()
+        need = max(again + self._spread(), again / (1 - self.plan.margin / 2))
+        return math.ceil(need / 2**20) * 2**20
+
+    def _compiled(self) -> tuple:
+        """What ``_adopt`` makes for the current schedule, to return to it without compiling again."""
+        return (self.schedule, self.sections, self._counters, self._fields, self._fns, self._apply,
+                getattr(self, "_graph_train", None), getattr(self, "_graph_grads", None))
+
+    def _restore(self, state: tuple) -> None:
+        (self.schedule, self.sections, self._counters, self._fields, self._fns, self._apply,
+         self._graph_train, self._graph_grads) = state
 
     def _dry_step(self, batch) -> int:
-        """A step's cycle run twice, not applied; state (batch-norm statistics, seeds) and counters restored after
-        each. The larger peak: a first run of new functions reads low (kernels keep buffers from their first run
-        on, which later steps' peaks include)."""
-        state = self.network.non_trainable_variables
+        """A step's cycle run twice, not applied; state (batch-norm statistics, seeds, ``dry_state()``) and counters
+        restored after each. The larger peak: a first run of new functions reads low (kernels keep buffers from
+        their first run on, which later steps' peaks include)."""
+        state = [*self.network.non_trainable_variables, *self.dry_state()]
         saved = [tf.identity(v.value) for v in state]
         peaks = []
         for _ in range(2):
@@ -205,6 +247,7 @@ class Engine(Trainer):
                 v.assign(value)
             peaks.append(max(step_peak.values()))
         self._read_counters()
+        self._dry_spread = max(self._dry_spread, max(peaks) - min(peaks))
         return max(peaks)
 
     def _adopt(self, schedule: Schedule) -> None:
@@ -366,7 +409,7 @@ class Engine(Trainer):
         the prediction by no more than the probe's run-to-run spread, inside ``1 - margin / 2`` of the budget, is
         the executor's op order, not a model error: no re-plan (each would recompile the sections)."""
         hb, old = rules.human_bytes, self.plan
-        noise = self.section_probe.largest_spread() if measured <= (1 - old.margin / 2) * old.budget else 0
+        noise = self._spread() if measured <= (1 - old.margin / 2) * old.budget else 0
         if measured <= old.predicted_peak + noise:
             return
         over_budget = measured > old.budget
@@ -436,6 +479,11 @@ class Engine(Trainer):
         if self.one_graph:
             counts["step"] = self._graph_train.tracing_count()
         return counts
+
+
+def _sections(plan) -> str:
+    n = plan.schedule.num_sections
+    return f"{n} section" + ("s" if n != 1 else "")
 
 
 def _after(border, gate):

@@ -180,9 +180,11 @@ class SectionedModel(keras.Model):
 
     def _new_engine(self, optimizer) -> Engine:
         strategy = self._distribute_strategy
-        return _FitEngine(self.network, optimizer, jit_compile=bool(optimizer is not None and self.jit_compile),
-                          distribute=strategy if strategy is not None and strategy.num_replicas_in_sync > 1
-                          else None, regularized=_regularized(self.model), **self._engine_args)
+        engine = _FitEngine(self.network, optimizer, jit_compile=bool(optimizer is not None and self.jit_compile),
+                            distribute=strategy if strategy is not None and strategy.num_replicas_in_sync > 1
+                            else None, regularized=_regularized(self.model), **self._engine_args)
+        engine.dry_state = lambda: [v for m in self.metrics for v in m.variables]  # the loss updates the metrics
+        return engine
 
 
 class _FitEngine(Engine):
