@@ -341,3 +341,23 @@ def test_sectioned_model_passes_lean_to_its_engine():
     model = keras.Model(inp, keras.layers.Dense(2, name="out")(keras.layers.Dense(3, name="hidden")(inp)))
     assert SectionedModel(model, sections=1, lean=False).engine.lean is False
     assert SectionedModel(model, sections=1).engine.lean is True  # the default
+
+
+def test_an_eager_forward_inside_lean_scope_keeps_no_activation():
+    """Recipes (how to re-make a convolution's output) are noted only while tracing: an eager forward inside the
+    scope (the planner's probe computes its borders so) must not keep every layer's input alive until the scope
+    ends (at batch 2048 that grew a process past 20 GiB)."""
+    from sections.backend import lean
+
+    conv, norm = keras.layers.Conv2D(4, 3), keras.layers.BatchNormalization()
+    x = tf.random.normal((2, 8, 8, 3))
+    alive = []
+    with lean_scope(True):
+        for _ in range(3):
+            h = tf.identity(x)
+            alive.append(weakref.ref(h))  # weakref.ref works on eager tensors
+            norm(conv(h), training=True)
+            del h
+        assert not lean._recipes()
+    gc.collect()
+    assert all(ref() is None for ref in alive)

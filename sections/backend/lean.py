@@ -161,7 +161,9 @@ def _producer_call(layer, original, inputs, *args, **kwargs):
     if not _floating(inputs):
         return NotImplemented
     out = original(layer, inputs, *args, **kwargs)
-    if _floating(out) and not layer.non_trainable_weights:  # no state a re-run outside the replay could read
+    # Only while tracing: an eager recipe would keep its input tensor alive until the scope ends (every
+    # activation of an eager forward run inside the scope).
+    if tf.inside_function() and _floating(out) and not layer.non_trainable_weights:  # no state a re-run could read
         scope = keras.src.backend.get_autocast_scope()  # re-entered so the re-run casts variables alike
         dtype = None if scope is None else scope.dtype
 

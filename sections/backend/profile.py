@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
+from .lean import lean_scope
 from .memory import MemoryMeter
 from .relaxed import RelaxedFunction
 from .structure import float_leaves, nbytes
@@ -100,7 +101,7 @@ class SectionProbe:
     def border(self, i: int):
         j = max(k for k in self._borders if k <= i)
         h = self._borders[j]
-        with keras.StatelessScope(state_mapping=self._state):
+        with lean_scope(False), keras.StatelessScope(state_mapping=self._state):  # a forward: nothing to keep
             for k in range(j, i):
                 h = self.network.blocks[k](h, self.small, training=True)
                 if (k + 1) % self.stride == 0:
