@@ -173,7 +173,7 @@ def test_dry_steps_at_build_fold_what_the_model_missed_into_the_prediction(monke
     engine.build(make_batch(n=64, size=16, classes=10))
     assert dry_peaks and engine.fixed_extra > 0
     assert engine.plan.extra_bytes == engine.fixed_extra and "a dry step held" in engine.describe()
-    last = [peak for schedule, peak in dry_peaks if schedule == engine.schedule]
+    last = [peak for schedule, (peak, _) in dry_peaks if schedule == engine.schedule]
     assert last and engine.plan.predicted_peak >= max(last)
 
 
@@ -206,6 +206,30 @@ def test_a_plan_predicted_too_high_makes_room_for_a_faster_one(monkeypatch):
     assert engine.plan.extra_bytes < 0 and "less than the model" in engine.describe()
     peaks = [engine.train_step(batch)["step_peak_bytes"] for _ in range(2)]
     assert max(peaks) <= budget, (peaks, engine.describe())
+
+
+def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypatch):
+    """Activations over-estimated 4x: the first plan cuts deep, each dry step measures less than predicted and the
+    corrected plans re-run less; every plan fits the budget. The choice among them is the dry steps' measured time,
+    not the re-run time the model predicts: with the first (deepest) plan's dry step timed fastest, it runs."""
+    _engine = _underestimate(monkeypatch, factor=4)
+    dry_runs = []
+    measure_dry = _engine.Engine._dry_step
+
+    def timed(self, b):  # the real peak; each later plan's time 1 s longer than the one before
+        peak, _ = measure_dry(self, b)
+        dry_runs.append(self.schedule)
+        return peak, float(len(dry_runs))
+
+    monkeypatch.setattr(_engine.Engine, "_dry_step", timed)
+    engine = Engine(conv_stack(depth=8, filters=16), keras.optimizers.SGD(0.1), sections="auto",
+                    memory_budget="20MiB")
+    engine.build(make_batch(n=64, size=16, classes=10))
+    assert len(dry_runs) >= 2 and dry_runs[0] != dry_runs[-1], engine.describe()
+    assert dry_runs[0].num_sections > dry_runs[-1].num_sections  # the model alone would prefer the later plans
+    assert engine.schedule == dry_runs[0], engine.describe()
+    assert "in 1.00 s" in engine.replans[-1] and engine.replans[-1].endswith(
+        f"runs ({dry_runs[0].num_sections} sections)"), engine.replans
 
 
 def test_a_dry_step_changes_no_variable_and_no_counter(monkeypatch):

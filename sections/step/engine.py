@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import replace
 from typing import Sequence
 
@@ -162,40 +163,44 @@ class Engine(Trainer):
         its prediction joins the fixed cost (either way) and the schedule is planned again: a plan predicted too
         high makes room for a faster one, too low for a smaller one; each new schedule is dry-run too (up to
         ``DRY_STEPS``). A plan fits when its dry step plus the probe's run-to-run spread is within the budget and
-        the dry step within ``1 - margin / 2`` of it (``_fits``); the fastest plan that fits runs, its prediction
-        at least what its dry step measured. When none fits, the refusal names the smallest dry step measured and the
+        the dry step within ``1 - margin / 2`` of it (``_fits``); of those, the one whose dry step ran fastest
+        (timed, not predicted: the planner's re-run time model ranks close plans wrongly) runs, its prediction at
+        least what its dry step measured. When none fits, the refusal names the smallest dry step measured and the
         budget that would fit it."""
-        runs: list = []  # (plan, measured, the fixed cost that makes its prediction the measurement, state)
+        # (plan, measured peak, the fixed cost that makes its prediction the measurement, state, seconds)
+        runs: list = []
         for _ in range(DRY_STEPS):
-            measured = self._dry_step(batch)
+            measured, seconds = self._dry_step(batch)
             self.fixed_extra = measured - (self.plan.predicted_peak - self.plan.extra_bytes)
-            runs.append((self.plan, measured, self.fixed_extra, self._compiled()))
+            runs.append((self.plan, measured, self.fixed_extra, self._compiled(), seconds))
             fitting = [run for run in runs if self._fits(run[1])]
             try:
                 plan, refusal = self._plan(self._activation_scale), None
             except NoPlanFits as err:
                 plan, refusal = err.plan, err
-            done = fitting and fitting[-1][0].rerun_seconds <= 0  # one section, nothing re-run: none is faster
+            done = fitting and not _reruns(fitting[-1][0])  # nothing re-run: none is faster
             if done or (refusal is not None and fitting) or any(plan.schedule == run[3][0] for run in runs):
                 break
             self.plan, self._refusal = plan, refusal
             self._adopt(plan.schedule)
         fitting = [run for run in runs if self._fits(run[1])]
         if fitting:
-            plan, measured, self.fixed_extra, state = min(fitting, key=lambda run: (run[0].rerun_seconds, run[1]))
+            # a plan that re-runs nothing is the fastest by construction (a timing's noise must not say otherwise)
+            plan, measured, self.fixed_extra, state, _ = min(
+                fitting, key=lambda run: (_reruns(run[0]), run[4], run[1]))
             if state[0] is not self.schedule:
                 self._restore(state)
             self._refusal = None
             self.plan = replace(plan, predicted_peak=max(measured, plan.predicted_peak), budget=self.memory_budget,
                                 extra_bytes=self.fixed_extra)
             if len(runs) > 1:
-                tried = ", ".join(f"{rules.human_bytes(m)} ({_sections(p)})" for p, m, _, _ in runs)
+                tried = ", ".join(f"{rules.human_bytes(m)} in {t:.2f} s ({_sections(p)})" for p, m, _, _, t in runs)
                 self._log_replan(f"dry steps measured {tried}; the fastest plan that fits the budget "
                                  f"{rules.human_bytes(self.memory_budget)} runs ({_sections(plan)})")
             return
         if not runs:  # no dry steps: the model's plan (or refusal) stands
             return
-        plan, measured, _, _ = min(runs, key=lambda run: run[1])
+        plan, measured = min(runs, key=lambda run: run[1])[:2]
         advised = self._advised(measured)
         self._refusal = NoPlanFits(
             f"memory_budget={rules.human_bytes(self.memory_budget)} ({self.memory_budget} bytes): no partition "
@@ -234,21 +239,23 @@ class Engine(Trainer):
         (self.schedule, self.sections, self._counters, self._fields, self._fns, self._apply,
          self._graph_train, self._graph_grads) = state
 
-    def _dry_step(self, batch) -> int:
+    def _dry_step(self, batch) -> tuple[int, float]:
         """A step's cycle run twice, not applied; state (batch-norm statistics, seeds, ``dry_state()``) and counters
-        restored after each. The larger peak: a first run of new functions reads low (kernels keep buffers from
-        their first run on, which later steps' peaks include)."""
+        restored after each. The larger peak (a first run of new functions reads low: kernels keep buffers from
+        their first run on, which later steps' peaks include) and the second run's seconds (the first traces)."""
         state = [*self.network.non_trainable_variables, *self.dry_state()]
         saved = [tf.identity(v.value) for v in state]
         peaks = []
         for _ in range(2):
+            start = time.perf_counter()
             _, _, _, step_peak = self._cycle(batch)
+            seconds = time.perf_counter() - start
             for v, value in zip(state, saved):
                 v.assign(value)
             peaks.append(max(step_peak.values()))
         self._read_counters()
         self._dry_spread = max(self._dry_spread, max(peaks) - min(peaks))
-        return max(peaks)
+        return max(peaks), seconds
 
     def _adopt(self, schedule: Schedule) -> None:
         """Sections, counters and compiled functions for a new schedule."""
@@ -479,6 +486,11 @@ class Engine(Trainer):
         if self.one_graph:
             counts["step"] = self._graph_train.tracing_count()
         return counts
+
+
+def _reruns(plan) -> bool:
+    """Whether a plan runs some section's forward more than once."""
+    return max(plan.forward_runs, default=1) > 1
 
 
 def _sections(plan) -> str:
