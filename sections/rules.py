@@ -23,6 +23,21 @@ STRATEGIES = tuple(TRAINERS.values())
 
 
 
+#: ``lean`` settings: every layer's own gradient, lean gradients, or lean gradients that also re-make the inputs of
+#: convolution and dense layers from the batch norm (and ReLU) before them in the backward (``sections.backend.lean``).
+LEAN_MODES = (False, True, "recompute")
+
+
+def check_lean(lean) -> bool | str:
+    """``lean`` as one of ``LEAN_MODES`` (``"true"``/``"false"`` strings as booleans); else a clear error."""
+    if isinstance(lean, str) and lean.lower() in ("true", "false"):
+        return lean.lower() == "true"
+    if isinstance(lean, bool) or lean == "recompute":
+        return lean
+    raise ValueError(f"lean={lean!r}: must be true, false or recompute (lean gradients that also re-make "
+                     f"convolution and dense inputs in the backward)")
+
+
 class RuleError(ValueError):
     """A rule's answer: its one-line message, with the rule's name and the facts it decided on, so a caller that
     words answers its own way (the runner's ``key=value: ...``) wraps the answer and restates no rule."""

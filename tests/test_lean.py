@@ -85,11 +85,11 @@ def image(shape=(4, 6, 6, 3), dtype="float32"):
     return tf.constant(x, dtype=dtype)
 
 
-def assert_lean_equals_plain(make, x, policy, kind="batch_norm", used=True, steps=2, tape_outside=False):
+def assert_lean_equals_plain(make, x, policy, kind="batch_norm", used=True, steps=2, tape_outside=False, lean=True):
     before = gradient_traces()[kind]
     y0, g0, s0 = run_layers(make, x, lean=False, steps=steps, tape_outside=tape_outside)
     assert gradient_traces()[kind] == before  # the plain run never builds a lean gradient
-    y1, g1, s1 = run_layers(make, x, lean=True, steps=steps, tape_outside=tape_outside)
+    y1, g1, s1 = run_layers(make, x, lean=lean, steps=steps, tape_outside=tape_outside)
     assert (gradient_traces()[kind] > before) == used
     np.testing.assert_array_equal(y1, y0)  # the forward is Keras's own ops
     for a, b in zip(s1, s0):
@@ -106,6 +106,51 @@ def test_batch_norm_after_a_convolution(policy):
     x = image(dtype="float64" if policy == "float64" else "float32")
     assert_lean_equals_plain(lambda: [conv(), bn()], x, policy)
     assert gradient_traces()["recomputed"] > before  # the convolution's output was re-made, not kept
+
+
+def preact_chain():
+    """A pre-activation block's layers: batch norm, ReLU, convolution, twice."""
+    return [bn(), keras.layers.ReLU(), conv(use_bias=False), bn(), keras.layers.Activation("relu"), conv()]
+
+
+@pytest.mark.parametrize("policy", ["float32", "float64", "mixed_float16", "mixed_bfloat16"])
+def test_convolutions_re_make_their_inputs_under_recompute(policy):
+    """``lean="recompute"``: each convolution after a batch norm and ReLU re-makes its input in its backward (the
+    second through the first convolution); values, gradients and statistics as plain Keras's."""
+    use(policy)
+    before = gradient_traces()["remade_input"]
+    x = image(dtype="float64" if policy == "float64" else "float32")
+    assert_lean_equals_plain(preact_chain, x, policy, lean="recompute")
+    assert gradient_traces()["remade_input"] > before
+
+
+def _forward_relu_readers(lean) -> set:
+    """The op types reading the forward's ReLU outputs in a traced training step of ``preact_chain``."""
+    layers = preact_chain()
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = x
+            with lean_scope(lean):
+                for layer in layers:
+                    h = layer(h, training=True) if isinstance(layer, keras.layers.BatchNormalization) else layer(h)
+            loss = tf.reduce_sum(h * h)
+        return tape.gradient(loss, [v for layer in layers for v in layer.trainable_variables])
+
+    graph = step.get_concrete_function(tf.TensorSpec([4, 6, 6, 3])).graph
+    forward = [op for op in graph.get_operations() if op.type == "Relu" and not op.control_inputs
+               and op.inputs[0].op.type == "IdentityN"]  # a lean batch norm's output; re-made ones read a Cast
+    assert len(forward) == 2
+    return {reader.type for op in forward for reader in op.outputs[0].consumers()}
+
+
+def test_under_recompute_no_backward_op_reads_a_relu_output_the_forward_made():
+    """What the backward keeps is what its ops read: with ``lean=True`` the convolutions' filter gradients (and the
+    ReLU's own) read the forward's ReLU outputs, so they stay alive until then; under ``"recompute"`` only the
+    forward convolutions read them."""
+    assert {"Conv2DBackpropFilter", "ReluGrad"} & _forward_relu_readers(True)
+    assert _forward_relu_readers("recompute") == {"Conv2D"}
 
 
 @pytest.mark.parametrize("policy", ["float32", "float64", "mixed_float16"])
@@ -243,21 +288,41 @@ def float64_batch(n=8):
             "label": tf.constant(rng.integers(0, 3, size=n), tf.int64)}
 
 
-@pytest.mark.parametrize("factory,sections", [
-    pytest.param(small_resnet, 3, marks=pytest.mark.slow),  # ~6 s; the from_keras case stays in the fast set
-    (keras_functional, ["a1", "pool"])], ids=["resnet", "from_keras"])
-def test_whole_models_with_lean_gradients_equal_a_plain_step_in_float64(factory, sections):
+def keras_relu_chain():
+    """A Functional model cut by from_keras: convolution, batch norm and ReLU twice, a third convolution and a skip."""
+    inp = keras.Input((8, 8, 2), name="image")
+    h = keras.layers.Conv2D(4, 3, padding="same", name="c1")(inp)
+    skip = keras.layers.ReLU(name="a1")(keras.layers.BatchNormalization(name="b1")(h))
+    h = keras.layers.Conv2D(4, 3, padding="same", name="c2")(skip)
+    h = keras.layers.Activation("relu", name="a2")(keras.layers.BatchNormalization(name="b2")(h))
+    h = keras.layers.Conv2D(4, 3, padding="same", name="c3")(h)
+    h = keras.layers.GlobalAveragePooling2D(name="pool")(keras.layers.Add(name="add")([h, skip]))
+    model = keras.Model(inp, keras.layers.Dense(3, name="logits")(h))
+    loss = lambda out, batch: tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(  # noqa: E731
+        batch["label"], out, from_logits=True))
+    return Network.from_keras(model, loss, inputs="image")
+
+
+@pytest.mark.parametrize("factory,sections,lean", [
+    pytest.param(small_resnet, 3, True, marks=pytest.mark.slow),  # ~6 s; the from_keras case stays in the fast set
+    pytest.param(small_resnet, 3, "recompute", marks=pytest.mark.slow),
+    (keras_functional, ["a1", "pool"], True),
+    (keras_relu_chain, 1, "recompute"),  # c2 and c3 re-make their inputs (c3's past the limit: b2 keeps its own)
+    (keras_relu_chain, ["c2", "pool"], "recompute")],  # c2's input is a border: only c3
+    ids=["resnet", "resnet-recompute", "from_keras", "relu-chain-recompute", "relu-chain-recompute-cut"])
+def test_whole_models_with_lean_gradients_equal_a_plain_step_in_float64(factory, sections, lean):
     use("float64")
     batch = float64_batch()
     ref, net = twin_networks(factory, batch)
     before = gradient_traces()
     reference_train(ref, [batch] * 2, keras.optimizers.SGD(0.1))
     assert gradient_traces() == before
-    engine = Engine(net, keras.optimizers.SGD(0.1), sections=sections, lean=True)
+    engine = Engine(net, keras.optimizers.SGD(0.1), sections=sections, lean=lean)
     for _ in range(2):
         engine.train_step(batch)
     assert gradient_traces()["batch_norm"] > before["batch_norm"]  # the lean path ran
     assert gradient_traces()["recomputed"] > before["recomputed"]
+    assert (gradient_traces()["remade_input"] > before["remade_input"]) == (lean == "recompute")
     trainable = relative_error([v.numpy() for v in net.trainable_variables],
                                [v.numpy() for v in ref.trainable_variables])
     assert trainable <= 1e-12

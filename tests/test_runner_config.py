@@ -112,6 +112,7 @@ BAD = [
     (["engine.policy=bad"], "engine.policy=bad: Unknown policy 'bad'; allowed: ['recompute', 'store', 'recreate']"),
     (["engine.policy=stor"], "(did you mean 'store'?)"),
     (["engine.memory_budget=abc"], "engine.memory_budget=abc: must be bytes (an integer) or a size with a unit"),
+    (["engine.lean=deep"], "engine.lean=deep: must be true, false or recompute"),
     (["engine._target_=bad"], "engine._target_=bad: allowed: sections.Engine, sections.WholeGraph, sections.RecomputeGrad"),
     (["train.progress=x"], "train.progress=x: allowed: auto, bar, log"),
     (["train.inter_op_threads=0"], "train.inter_op_threads=0: must be a positive integer"),

@@ -83,6 +83,7 @@ def _check_engine(engine: DictConfig) -> None:
     apply_rule("engine.policy", policy, rules.check_policy_names, policy)
     if engine.memory_budget is not None:
         apply_rule("engine.memory_budget", engine.memory_budget, rules.parse_bytes, engine.memory_budget)
+    apply_rule("engine.lean", engine.lean, rules.check_lean, engine.lean)
 
 
 def _check_train(train: DictConfig) -> None:

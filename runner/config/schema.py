@@ -56,7 +56,7 @@ class EngineConfig:
     jit_compile: bool
     check: bool
     memory_budget: Any
-    lean: bool
+    lean: Any  # true, false or recompute (runner.config.checks)
     probe_batch: Optional[int]
 
 

@@ -11,6 +11,12 @@ and the temporaries it makes change, with the same math (equal within rounding):
 * A batch norm whose input a ``Conv1D/2D/3D``, ``DepthwiseConv2D`` or ``Dense`` layer made (inside the same
   scope) keeps nothing input-sized: its backward re-runs that layer's ``call`` on the layer's input, which the
   layer's own gradient keeps anyway (one more forward of that layer per step).
+* Under ``lean_scope("recompute")``: a ``Conv``/``DepthwiseConv2D``/``Dense`` layer whose input is a lean batch
+  norm's output, or a ReLU (ReLU6) of one, keeps nothing of that input either: its output's own gradient is
+  stopped and replaced by one that re-makes the input from what the batch norm keeps (its input, or its
+  producer's recipe) and runs TensorFlow's gradient of the layer (and the ReLU) there. A re-make runs at most
+  ``MAX_REMADE_PRODUCERS`` producer calls; past that, the batch norm keeps its input. In a pre-activation
+  residual block only the block's input stays for the backward, for one more run of the first convolution.
 * ``LeakyReLU`` (and ``Activation``/``ReLU`` computing a leaky ReLU) and ``softplus``: the derivative from the
   output (TensorFlow's keeps the input, a tensor nothing else may need). ReLU, ReLU6, sigmoid, tanh, ELU and
   SELU already differentiate from their output in TensorFlow: nothing to gain, left alone.
@@ -30,10 +36,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from typing import Callable, NamedTuple
 
 import keras
 import tensorflow as tf
 
+from ..rules import check_lean
 from .graph_gradient import custom_gradient
 
 __all__ = ["lean_scope", "lean_active", "LEAN_LAYERS", "gradient_traces"]
@@ -41,39 +49,71 @@ __all__ = ["lean_scope", "lean_active", "LEAN_LAYERS", "gradient_traces"]
 _state = threading.local()
 _installed: dict = {}
 # Python-side count of lean gradients built (at trace time), per kind: tests read it to prove the lean path ran.
-_traces = {"batch_norm": 0, "recomputed": 0, "activation": 0}
+_traces = {"batch_norm": 0, "recomputed": 0, "activation": 0, "remade_input": 0}
 REMAKE_PRODUCERS = True  # False: a batch norm after a producer keeps its input too (benchmarks compare both)
+MAX_REMADE_PRODUCERS = 1  # a re-make runs at most this many convolution/dense calls; past it, the tensor is kept
+# Element-wise ops a ``"recompute"`` re-make runs again between a batch norm and the layer reading its output:
+# each differentiates from its output, which its gradient would keep unless the reader bypasses it.
+_REMAKE_OPS = {"Relu": tf.nn.relu, "Relu6": tf.nn.relu6}
+
+
+class _Recipe(NamedTuple):
+    """How to re-make a traced tensor from tensors the backward keeps anyway, and how many producer layer calls
+    (convolution, dense) that runs."""
+    make: Callable[[], tf.Tensor]
+    producers: int
 
 
 def gradient_traces() -> dict:
     """How many lean gradient graphs were built so far: ``batch_norm``, of which ``recomputed`` re-make their
-    input, and ``activation``."""
+    input, ``activation``, and ``remade_input`` (a convolution or dense layer re-making its input: ``"recompute"``)."""
     return dict(_traces)
 
 
 def _recipes() -> dict:
-    """``output.ref() -> how to re-make it``, for producers called inside this thread's current lean_scope."""
+    """``output.ref() -> _Recipe``, for layers called inside this thread's current lean_scope."""
     if not hasattr(_state, "recipes"):
         _state.recipes = {}
     return _state.recipes
 
 
 def lean_active() -> bool:
-    return getattr(_state, "on", False)
+    return bool(getattr(_state, "on", False))
+
+
+def _remaking_inputs() -> bool:
+    return getattr(_state, "on", False) == "recompute"
 
 
 @contextlib.contextmanager
-def lean_scope(enabled: bool = True):
-    """Inside it (on this thread), supported Keras layers run with lean gradients; ``enabled=False``: plain."""
+def lean_scope(enabled: bool | str = True):
+    """Inside it (on this thread), supported Keras layers run with lean gradients; ``enabled=False``: plain;
+    ``"recompute"``: lean, and a convolution or dense layer whose input a batch norm (and a ReLU) made re-makes
+    that input in its backward instead of keeping it."""
     _install()
-    before = lean_active()
-    _state.on = bool(enabled)
+    before = getattr(_state, "on", False)
+    _state.on = check_lean(enabled)
     try:
         yield
     finally:
         _state.on = before
         if not before:
             _recipes().clear()
+
+
+def _chain(t):
+    """``(source, op, recipe)``: ``t`` is ``op(source)`` (``op`` None: ``t`` is ``source``) and ``source`` has a
+    recipe running at most ``MAX_REMADE_PRODUCERS`` producers; or None."""
+    recipe = _recipes().get(t.ref())
+    if recipe is not None:
+        return (t, None, recipe) if recipe.producers <= MAX_REMADE_PRODUCERS else None
+    op = getattr(t, "op", None)
+    if op is None or op.type not in _REMAKE_OPS or len(op.inputs) != 1:
+        return None
+    recipe = _recipes().get(op.inputs[0].ref())
+    if recipe is None or recipe.producers > MAX_REMADE_PRODUCERS:
+        return None
+    return op.inputs[0], _REMAKE_OPS[op.type], recipe
 
 
 # ---------------------------------------------------------------------------------------------- batch norm
@@ -98,12 +138,31 @@ def _batch_norm_call(layer, original, inputs, training=None, mask=None):
                                                       layer.beta if layer.center else None) if p is not None]
     out_dtype = tf.as_dtype(keras.backend.standardize_dtype(layer.compute_dtype))
     count = tf.cast(tf.size(x, tf.int64) // tf.size(mean, tf.int64), stats_dtype)
-    fn = _lean_batch_norm(axes, layer.axis, layer.epsilon, layer.scale, layer.center, stats_dtype, out_dtype,
-                          x.shape.rank, x.dtype, count, _recipes().get(x.ref()) if REMAKE_PRODUCERS else None)
-    return fn(x, mean, variance, *params)
+    recipe = _recipes().get(x.ref()) if REMAKE_PRODUCERS else None
+    if recipe is not None and recipe.producers > MAX_REMADE_PRODUCERS:
+        recipe = None
+    forward = functools.partial(_batch_norm_forward, axis=layer.axis, epsilon=layer.epsilon, has_scale=layer.scale,
+                                has_center=layer.center, stats_dtype=stats_dtype, out_dtype=out_dtype)
+    fn = _lean_batch_norm(forward, axes, layer.axis, layer.epsilon, layer.scale, layer.center, stats_dtype,
+                          x.shape.rank, x.dtype, count, recipe.make if recipe is not None else None)
+    y = fn(x, mean, variance, *params)
+    if _remaking_inputs() and tf.inside_function():
+        remake = recipe.make if recipe is not None else (lambda: x)  # x: the gradient keeps it anyway
+        _recipes()[y.ref()] = _Recipe(lambda: forward(remake(), mean, variance, *params),
+                                      recipe.producers if recipe is not None else 0)
+    return y
 
 
-def _lean_batch_norm(axes, axis, epsilon, has_scale, has_center, stats_dtype, out_dtype, rank, in_dtype, count,
+def _batch_norm_forward(x, mean, variance, *params, axis, epsilon, has_scale, has_center, stats_dtype, out_dtype):
+    """Keras's forward op for op: ``ops.batch_normalization`` on the float32 (or float64) copy, then the cast."""
+    gamma = params[0] if has_scale else None
+    beta = params[-1] if has_center else None
+    y = keras.ops.batch_normalization(tf.cast(x, stats_dtype), mean, variance, axis=axis, offset=beta,
+                                      scale=gamma, epsilon=epsilon)
+    return tf.cast(y, out_dtype)
+
+
+def _lean_batch_norm(forward, axes, axis, epsilon, has_scale, has_center, stats_dtype, rank, in_dtype, count,
                      recompute):
     """The batch norm as a custom-gradient function of ``(x, mean, variance, [gamma], [beta])``.
 
@@ -113,11 +172,7 @@ def _lean_batch_norm(axes, axis, epsilon, has_scale, has_center, stats_dtype, ou
     @custom_gradient
     def batch_norm(x, mean, variance, *params):
         gamma = params[0] if has_scale else None
-        beta = params[-1] if has_center else None
-        # Keras's forward op for op: ops.batch_normalization on the float32 (or float64) copy, then the cast.
-        y = keras.ops.batch_normalization(tf.cast(x, stats_dtype), mean, variance, axis=axis, offset=beta,
-                                          scale=gamma, epsilon=epsilon)
-        y = tf.cast(y, out_dtype)
+        y = forward(x, mean, variance, *params)
         kept = None if recompute is not None else x  # the grad closes over nothing input-sized but this
 
         def grad(dy):
@@ -157,22 +212,57 @@ def _lean_batch_norm(axes, axis, epsilon, has_scale, has_center, stats_dtype, ou
 # ---------------------------------------------------------------------------------------------- producers
 def _producer_call(layer, original, inputs, *args, **kwargs):
     """Run a convolution or dense layer as Keras does and note how to re-make its output from its input (its
-    own gradient keeps that input): a batch norm reading the output then keeps nothing input-sized."""
+    own gradient keeps that input): a batch norm reading the output then keeps nothing input-sized. Under
+    ``"recompute"``, where the input is a batch norm's output (or a ReLU of one) with a recipe, the layer's own
+    gradient is replaced by one that re-makes the input from that recipe: the input is not kept either."""
     if not _floating(inputs):
         return NotImplemented
-    out = original(layer, inputs, *args, **kwargs)
     # Only while tracing: an eager recipe would keep its input tensor alive until the scope ends (every
     # activation of an eager forward run inside the scope).
-    if tf.inside_function() and _floating(out) and not layer.non_trainable_weights:  # no state a re-run could read
-        scope = keras.src.backend.get_autocast_scope()  # re-entered so the re-run casts variables alike
-        dtype = None if scope is None else scope.dtype
+    if not tf.inside_function() or layer.non_trainable_weights:  # no state a re-run could read
+        return original(layer, inputs, *args, **kwargs)
+    scope = keras.src.backend.get_autocast_scope()  # re-entered so the re-run casts variables alike
+    dtype = None if scope is None else scope.dtype
 
-        def recompute():
-            with keras.src.backend.AutocastScope(dtype) if dtype is not None else contextlib.nullcontext():
-                return original(layer, inputs, *args, **kwargs)
+    def run(x):
+        with keras.src.backend.AutocastScope(dtype) if dtype is not None else contextlib.nullcontext():
+            return original(layer, x, *args, **kwargs)
 
-        _recipes()[out.ref()] = recompute
+    chain = _chain(inputs) if _remaking_inputs() else None
+    out = original(layer, inputs, *args, **kwargs)
+    if not _floating(out):
+        return out
+    if chain is None:
+        _recipes()[out.ref()] = _Recipe(lambda: run(inputs), 1)
+        return out
+    source, op, recipe = chain
+    remake = (lambda: op(recipe.make())) if op is not None else recipe.make
+    out = _remade_input(layer, run, tf.stop_gradient(out), source, op, recipe.make)
+    _recipes()[out.ref()] = _Recipe(lambda: run(remake()), 1 + recipe.producers)
     return out
+
+
+def _remade_input(layer, run, out, source, op, make):
+    """``out`` (the layer's output, its own gradient stopped) with a gradient that re-makes ``source`` by
+    ``make``, applies ``op`` (when not None) and differentiates ``run`` (the layer's call) there: the gradient for
+    ``source`` and the layer's trainable variables, TensorFlow's own gradient ops on equal values."""
+    variables = list(layer.trainable_variables)
+
+    @custom_gradient
+    def remade_input(out, source, *reads):
+        def grad(dy):
+            _traces["remade_input"] += 1
+            with tf.control_dependencies([dy]):  # else the executor may re-make it during the forward
+                s = make()
+            with tf.GradientTape() as tape:  # watches the variables the call reads
+                tape.watch(s)
+                y = run(op(s) if op is not None else s)
+            grads = tape.gradient(y, [s, *variables], output_gradients=dy)
+            return [None, *grads]
+
+        return tf.identity(out), grad
+
+    return remade_input(out, source, *[tf.convert_to_tensor(v.value) for v in variables])
 
 
 # ---------------------------------------------------------------------------------------------- activations

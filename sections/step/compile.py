@@ -40,9 +40,9 @@ class SectionFunctions:
     """
 
     def __init__(self, network, section, counter: tf.Variable, jit_compile: bool = False, tol: float = 1e-4,
-                 scale_loss=None, replicas=None, lean: bool = False):
+                 scale_loss=None, replicas=None, lean: bool | str = False):
         self.network = network
-        self.lean = bool(lean)
+        self.lean = lean  # one of rules.LEAN_MODES
         self.replicas = replicas or Replicas()
         # The loss the gradients are taken of (loss scaling for mixed precision, 1/replicas under a strategy).
         self.scale_loss = scale_loss or (lambda loss: loss)

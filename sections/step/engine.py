@@ -56,7 +56,10 @@ class Engine(Trainer):
             peak is measured).
         lean: run batch normalization (training mode), leaky ReLU and softplus layers with gradients that keep
             less (``sections.backend.lean``): the same forward ops, the same math, equal within rounding; ``False``:
-            every layer's own Keras gradient (bit-identical to a whole-graph step where the graphs match).
+            every layer's own Keras gradient (bit-identical to a whole-graph step where the graphs match);
+            ``"recompute"``: lean, and a convolution or dense layer whose input a batch norm made (directly or
+            through a ReLU) keeps nothing of it: its backward re-makes the input from what the batch norm keeps,
+            running at most one more producer layer (lower peaks inside blocks, more forward work).
         probe_batch: examples the planner's per-block probe runs (``sections="auto"`` only); default: the real
             batch (one replica's share), so its memory and time are measured, not scaled from a small slice.
         device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
@@ -76,7 +79,7 @@ class Engine(Trainer):
     def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
                  policy="recompute", jit_compile: bool = False, check: bool = False,
                  memory_budget: int | str | None = None, probe_batch: int | None = None, device: str | None = None,
-                 distribute=None, one_graph: bool = False, lean: bool = True):
+                 distribute=None, one_graph: bool = False, lean: bool | str = True):
         fixed = sections if isinstance(sections, Schedule) else None
         if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
             sections, policy = fixed.num_sections, list(fixed.policies)
@@ -84,7 +87,7 @@ class Engine(Trainer):
                          distribute)
         self.check = bool(check)
         self.one_graph = bool(one_graph)
-        self.lean = bool(lean)
+        self.lean = rules.check_lean(lean)
         if self.one_graph and (check or sections == "auto" or fixed is not None):
             raise ValueError("one_graph=True compiles a fixed recompute partition into one step: it takes no "
                              "check mode, sections='auto' or Schedule.")

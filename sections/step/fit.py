@@ -38,7 +38,8 @@ class SectionedModel(keras.Model):
         check: compare each re-run's output with its first run and raise on a mismatch.
         probe_batch: examples the planner's probe runs (``sections="auto"``); default the real batch.
         one_graph: compile each step into one graph (``Engine(one_graph=True)``).
-        lean: batch norm and some activations with gradients that keep less (``Engine(lean=...)``).
+        lean: batch norm and some activations with gradients that keep less; ``"recompute"``: also
+            convolution and dense inputs re-made in the backward (``Engine(lean=...)``).
         max_blocks: at most this many blocks the model is cut into (``Network.from_keras``).
 
     Create it (and the model) under ``strategy.scope()`` to train on a ``tf.distribute`` strategy's replicas.
@@ -51,7 +52,7 @@ class SectionedModel(keras.Model):
     """
 
     def __init__(self, model, sections=4, policy="recompute", memory_budget=None, check: bool = False,
-                 probe_batch: int | None = None, one_graph: bool = False, max_blocks: int = 64, lean: bool = True,
+                 probe_batch: int | None = None, one_graph: bool = False, max_blocks: int = 64, lean: bool | str = True,
                  name=None):
         _check_model(model)
         super().__init__(name=name or f"sectioned_{model.name}")

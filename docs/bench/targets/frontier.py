@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 MiB = 2**20
-RESNET_CUTS = {2: ["scale1"], 4: ["scale1", "scale2", "final_pool"], 13: 13}
+MODES = {"off": False, "on": True, "recompute": "recompute"}  # --lean and --lean-fixed values: Engine(lean=...)
+RESNET_CUTS = {1: 1, 2: ["scale1"], 4: ["scale1", "scale2", "final_pool"], 13: 13}
 _WEIGHT_OPS = {"ReadVariableOp", "Const", "VarHandleOp", "Placeholder", "Shape"}
 
 
@@ -94,10 +95,10 @@ def job(args, kind: str, arg) -> dict:
         elif kind == "recompute_grad":
             trainer = RecomputeGrad(net, opt, sections=cuts)
         elif kind == "sectioned":
-            trainer = Engine(net, opt, sections=cuts, lean=args.lean_fixed)
+            trainer = Engine(net, opt, sections=cuts, lean=MODES[args.lean_fixed])
         else:
             budget, lean = arg
-            trainer = Engine(net, opt, sections="auto", memory_budget=int(budget), lean=lean,
+            trainer = Engine(net, opt, sections="auto", memory_budget=int(budget), lean=MODES[lean],
                              probe_batch=args.probe_batch)
         trainer.build(data)
     except ValueError as err:
@@ -136,8 +137,9 @@ def run(args, kind, arg) -> dict:
 def label(r) -> str:
     if r["job"] == "auto":
         budget, lean = r["arg"]
-        return f"auto {r['frac']:.2f} lean {'on' if lean else 'off'}"
-    return r["job"] if r["job"] == "whole" else f"{r['job']} {r['arg']}"
+        return f"auto {r['frac']:.2f} lean {lean}"
+    return r["job"] if r["job"] == "whole" else f"{r['job']} {r['arg']}" + (
+        f" lean {r['lean_fixed']}" if r["job"] == "sectioned" else "")
 
 
 def main():
@@ -146,9 +148,11 @@ def main():
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budgets", default="0.25,0.30,0.45")
-    ap.add_argument("--lean", default="off,on", help="lean settings for the auto jobs")
+    ap.add_argument("--lean", default="off,on", help="lean settings for the auto jobs: off, on, recompute")
     ap.add_argument("--cuts", default="2,4,13")
-    ap.add_argument("--lean-fixed", action="store_true", help="the fixed-partition engine jobs with lean on")
+    ap.add_argument("--lean-fixed", nargs="?", const="on", default="off",
+                    help="lean for the fixed-partition engine jobs: off (absent), on (the flag alone), recompute")
+    ap.add_argument("--kinds", default="recompute_grad,sectioned", help="fixed-partition jobs run at each --cuts")
     ap.add_argument("--probe-batch", type=int, default=None)
     ap.add_argument("--out", default="")
     ap.add_argument("--job")
@@ -169,13 +173,14 @@ def main():
     print("| job | sections | forward runs | predicted MiB | peak MiB (steps) | peak / whole | peak / floor | "
           "within budget | median s | time / whole |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
     results = [whole]
-    specs = [(k, c) for c in args.cuts.split(",") if c for k in ("recompute_grad", "sectioned")]
-    specs += [("auto", [int(float(f) * wp), lean == "on"]) for f in args.budgets.split(",") if f
+    specs = [(k, c) for c in args.cuts.split(",") if c for k in args.kinds.split(",") if k]
+    specs += [("auto", [int(float(f) * wp), lean]) for f in args.budgets.split(",") if f
               for lean in args.lean.split(",")]
     for kind, arg in [("whole", None)] + specs:
         r = whole if kind == "whole" else run(args, kind, arg)
         if kind == "auto":
             r["frac"] = arg[0] / wp
+        r["lean_fixed"] = args.lean_fixed
         if kind != "whole":
             results.append(r)
         name = label(r)
@@ -203,7 +208,7 @@ def main():
                 "strategy": r["strategy"], "batch": args.batch, "median_step_seconds": r["seconds"],
                 "step_peak_bytes": max(r["peaks"]), "num_sections": r["sections"],
                 "section_blocks": r["section_blocks"], "policies": r["policies"], "memory_budget_bytes": budget,
-                "predicted_peak_bytes": r.get("predicted"), "lean": bool(r["arg"][1]) if budget else None},
+                "predicted_peak_bytes": r.get("predicted"), "lean": r["arg"][1] if budget else None},
                 indent=1))
 
 
