@@ -389,13 +389,14 @@ def test_lean_off_builds_no_lean_gradient_and_both_equal_the_reference():
 
 
 @pytest.mark.slow  # ~6 s each; the layer tests above cover both mixed policies in the fast set
+@pytest.mark.parametrize("lean", [True, "recompute"])
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-def test_mixed_precision_engine_with_lean_gradients_equals_lean_off(policy):
+def test_mixed_precision_engine_with_lean_gradients_equals_lean_off(policy, lean):
     use(policy)
     batch = make_batch(channels=2)
     a, b = twin_networks(small_resnet, batch)
     off = Engine(a, keras.optimizers.SGD(0.05), sections=2, lean=False)
-    on = Engine(b, keras.optimizers.SGD(0.05), sections=2, lean=True)
+    on = Engine(b, keras.optimizers.SGD(0.05), sections=2, lean=lean)
     for _ in range(2):
         np.testing.assert_allclose(on.train_step(batch)["loss"], off.train_step(batch)["loss"], rtol=1e-3)
     assert relative_error([v.numpy() for v in b.variables], [v.numpy() for v in a.variables]) <= 1e-3
@@ -406,6 +407,9 @@ def test_sectioned_model_passes_lean_to_its_engine():
     model = keras.Model(inp, keras.layers.Dense(2, name="out")(keras.layers.Dense(3, name="hidden")(inp)))
     assert SectionedModel(model, sections=1, lean=False).engine.lean is False
     assert SectionedModel(model, sections=1).engine.lean is True  # the default
+    assert SectionedModel(model, sections=1, lean="recompute").engine.lean == "recompute"
+    with pytest.raises(ValueError, match="lean='deep': must be true, false or recompute"):
+        SectionedModel(model, sections=1, lean="deep")
 
 
 def test_an_eager_forward_inside_lean_scope_keeps_no_activation():

@@ -258,7 +258,9 @@ def _remade_input(layer, run, out, source, op, make):
                 tape.watch(s)
                 y = run(op(s) if op is not None else s)
             grads = tape.gradient(y, [s, *variables], output_gradients=dy)
-            return [None, *grads]
+            # A variable's gradient for its read here: under autocast the read is the float16 cast, whose gradient
+            # is the float16 one the float32 variable's was cast from (so the cast back is exact).
+            return [None, grads[0], *[g if g is None else tf.cast(g, r.dtype) for g, r in zip(grads[1:], reads)]]
 
         return tf.identity(out), grad
 
