@@ -2,7 +2,8 @@
 
 Each activation is 16 MiB (128x32x32x32 float32). Keras keeps, per unit, the convolution's output (the batch
 norm's input) and the ReLU's output (the next convolution's input); lean batch norm alone keeps the same tensors
-(only its backward's temporaries shrink); re-making the convolution's output in the backward drops it.
+(only its backward's temporaries shrink); re-making the convolution's output in the backward drops it; under
+``lean="recompute"`` the next convolution also re-makes its input (the ReLU's output) from the previous one's.
 
     PYTHONPATH=. python docs/bench/lean/chain.py
 """
@@ -19,7 +20,7 @@ from sections.backend.memory import MemoryMeter  # noqa: E402
 MiB = 2**20
 
 
-def chain_peak(lean: bool, remake: bool, x, meter) -> list[float]:
+def chain_peak(lean, remake: bool, x, meter) -> list[float]:
     _lean.REMAKE_PRODUCERS = remake
     keras.utils.set_random_seed(0)
     layers = []
@@ -53,7 +54,8 @@ def main():
     x = tf.random.normal([128, 32, 32, 32])
     print(f"one activation: {x.numpy().nbytes / MiB:.0f} MiB; peak of forward + backward, 3 runs:")
     for name, lean, remake in [("Keras's gradients", False, True), ("lean batch norm, keeps its input", True, False),
-                               ("lean batch norm, re-makes the conv output", True, True)]:
+                               ("lean batch norm, re-makes the conv output", True, True),
+                               ("lean='recompute': the convolutions re-make their inputs too", "recompute", True)]:
         print(f"  {name}: {[round(p) for p in chain_peak(lean, remake, x, meter)]} MiB")
 
 
