@@ -113,20 +113,26 @@ def preact_chain():
     return [bn(), keras.layers.ReLU(), conv(use_bias=False), bn(), keras.layers.Activation("relu"), conv()]
 
 
+def postact_chain():
+    """A post-activation bottleneck's layers: (convolution, batch norm, ReLU) twice, then a convolution."""
+    return [conv(use_bias=False), bn(), keras.layers.ReLU(), conv(use_bias=False), bn(), keras.layers.ReLU(), conv()]
+
+
+@pytest.mark.parametrize("chain", [preact_chain, postact_chain], ids=["pre", "post"])
 @pytest.mark.parametrize("policy", ["float32", "float64", "mixed_float16", "mixed_bfloat16"])
-def test_convolutions_re_make_their_inputs_under_recompute(policy):
+def test_convolutions_re_make_their_inputs_under_recompute(policy, chain):
     """``lean="recompute"``: each convolution after a batch norm and ReLU re-makes its input in its backward (the
     second through the first convolution); values, gradients and statistics as plain Keras's."""
     use(policy)
     before = gradient_traces()["remade_input"]
     x = image(dtype="float64" if policy == "float64" else "float32")
-    assert_lean_equals_plain(preact_chain, x, policy, lean="recompute")
+    assert_lean_equals_plain(chain, x, policy, lean="recompute")
     assert gradient_traces()["remade_input"] > before
 
 
-def _forward_relu_readers(lean) -> set:
-    """The op types reading the forward's ReLU outputs in a traced training step of ``preact_chain``."""
-    layers = preact_chain()
+def _traced_step(lean, chain=preact_chain) -> tf.Graph:
+    """The traced graph of a training step (forward and backward) of ``chain``'s layers."""
+    layers = chain()
 
     @tf.function
     def step(x):
@@ -138,7 +144,12 @@ def _forward_relu_readers(lean) -> set:
             loss = tf.reduce_sum(h * h)
         return tape.gradient(loss, [v for layer in layers for v in layer.trainable_variables])
 
-    graph = step.get_concrete_function(tf.TensorSpec([4, 6, 6, 3])).graph
+    return step.get_concrete_function(tf.TensorSpec([4, 6, 6, 3])).graph
+
+
+def _forward_relu_readers(lean) -> set:
+    """The op types reading the forward's ReLU outputs in a traced training step of ``preact_chain``."""
+    graph = _traced_step(lean)
     forward = [op for op in graph.get_operations() if op.type == "Relu" and not op.control_inputs
                and op.inputs[0].op.type == "IdentityN"]  # a lean batch norm's output; re-made ones read a Cast
     assert len(forward) == 2
@@ -151,6 +162,25 @@ def test_under_recompute_no_backward_op_reads_a_relu_output_the_forward_made():
     forward convolutions read them."""
     assert {"Conv2DBackpropFilter", "ReluGrad"} & _forward_relu_readers(True)
     assert _forward_relu_readers("recompute") == {"Conv2D"}
+
+
+@pytest.mark.parametrize("chain, lean, runs", [(preact_chain, False, 2), (preact_chain, True, 3),
+                                               (preact_chain, "recompute", 3), (postact_chain, False, 3),
+                                               (postact_chain, True, 5), (postact_chain, "recompute", 4)])
+def test_recompute_re_runs_each_convolution_at_most_once_more(chain, lean, runs):
+    """Convolutions the step's results depend on (a forward made only to be differentiated is pruned): the
+    forward ones, and under lean each one a batch norm follows re-made once for that batch norm's backward;
+    under ``"recompute"`` the next convolution's re-made input reuses that same re-made output (not a second
+    run), and in the post-activation chain the second batch norm keeps its input (a re-make would run two
+    convolutions), so its convolution is not re-run at all."""
+    graph = _traced_step(lean, chain)
+    live, todo = set(), [t.op for t in graph.outputs]
+    while todo:  # the ops the step's results depend on: what the executor runs
+        op = todo.pop()
+        if op not in live:
+            live.add(op)
+            todo += [t.op for t in op.inputs] + list(op.control_inputs)
+    assert sum(op.type == "Conv2D" for op in live) == runs
 
 
 @pytest.mark.parametrize("policy", ["float32", "float64", "mixed_float16"])

@@ -15,8 +15,10 @@ and the temporaries it makes change, with the same math (equal within rounding):
   norm's output, or a ReLU (ReLU6) of one, keeps nothing of that input either: its output's own gradient is
   stopped and replaced by one that re-makes the input from what the batch norm keeps (its input, or its
   producer's recipe) and runs TensorFlow's gradient of the layer (and the ReLU) there. A re-make runs at most
-  ``MAX_REMADE_PRODUCERS`` producer calls; past that, the batch norm keeps its input. In a pre-activation
-  residual block only the block's input stays for the backward, for one more run of the first convolution.
+  ``MAX_REMADE_PRODUCERS`` producer calls; past that, the batch norm keeps its input. A producer's re-made output
+  is made once per graph: the next layer's re-made input and the batch norm's backward (which runs right after)
+  share it. In a pre-activation residual block only the block's input stays for the backward, for one more run
+  of the first convolution (as with ``lean=True``).
 * ``LeakyReLU`` (and ``Activation``/``ReLU`` computing a leaky ReLU) and ``softplus``: the derivative from the
   output (TensorFlow's keeps the input, a tensor nothing else may need). ReLU, ReLU6, sigmoid, tanh, ELU and
   SELU already differentiate from their output in TensorFlow: nothing to gain, left alone.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from typing import Callable, NamedTuple
 
 import keras
@@ -233,13 +236,28 @@ def _producer_call(layer, original, inputs, *args, **kwargs):
     if not _floating(out):
         return out
     if chain is None:
-        _recipes()[out.ref()] = _Recipe(lambda: run(inputs), 1)
+        _recipes()[out.ref()] = _Recipe(_once_per_graph(lambda: run(inputs)), 1)
         return out
     source, op, recipe = chain
     remake = (lambda: op(recipe.make())) if op is not None else recipe.make
     out = _remade_input(layer, run, tf.stop_gradient(out), source, op, recipe.make)
-    _recipes()[out.ref()] = _Recipe(lambda: run(remake()), 1 + recipe.producers)
+    _recipes()[out.ref()] = _Recipe(_once_per_graph(lambda: run(remake())), 1 + recipe.producers)
     return out
+
+
+def _once_per_graph(make):
+    """``make``, run once per graph: a re-made convolution output serves both the next layer's re-made input
+    (whose backward runs first) and the batch norm's backward right after it, for one convolution run, not two."""
+    made = {}  # id(graph) -> (a weak reference to the graph, its tensor); dies with the gradients holding it
+
+    def shared():
+        graph = tf.compat.v1.get_default_graph()
+        entry = made.get(id(graph))
+        if entry is None or entry[0]() is not graph:
+            entry = made[id(graph)] = (weakref.ref(graph), make())
+        return entry[1]
+
+    return shared
 
 
 def _remade_input(layer, run, out, source, op, make):
