@@ -10,6 +10,7 @@ import tensorflow as tf
 import keras
 
 from sections import Engine, Network, RecomputeGrad, WholeGraph
+from sections.backend.lean import gradient_traces
 from sections.backend.replicas import DistributeError
 from engine_nets import hard_network, loss_fn, make_batch
 from test_engine_v2 import plain_loop  # a user's single-device loop: layers built by their first call
@@ -53,14 +54,17 @@ SCHEDULES = [
 FAST_SCHEDULES = [pytest.param(kw, marks=pytest.mark.slow) if i in (1, 3) else kw for i, kw in enumerate(SCHEDULES)]
 
 
-@pytest.mark.parametrize("kw", FAST_SCHEDULES + [dict(sections=3, lean=True)],
-                         ids=["recompute", "store", "recreate", "one_graph", "recompute-lean"])
+@pytest.mark.parametrize("kw", FAST_SCHEDULES + [dict(sections=3, lean=True), dict(sections=["split/b"], lean="recompute")],
+                         ids=["recompute", "store", "recreate", "one_graph", "recompute-lean", "remade-inputs"])
 def test_sectioned_step_under_a_strategy_equals_a_whole_graph_step_under_it(kw):
     """Batch norm (per-replica statistics), dropout, a stochastic gate and a tuple border with an int tensor.
 
     With Keras's own gradients (``lean=False``) the step is bit-identical to the whole-graph step; lean batch-norm
-    gradients round differently, so that case is compared within float32 rounding."""
+    gradients round differently, so those cases are compared within float32 rounding. ``"recompute"``: the first
+    section holds the stem's batch norm and ReLU and the convolution reading them, which re-makes its input in each
+    replica's backward."""
     kw = {"lean": False, **kw}
+    remade = gradient_traces()["remade_input"]
     st, data = strategy(), batches()
     a, engine = trained(Engine, hard_network, st, data, **kw)
     b, whole = trained(WholeGraph, hard_network, st, data)
@@ -76,6 +80,7 @@ def test_sectioned_step_under_a_strategy_equals_a_whole_graph_step_under_it(kw):
         diff = np.sqrt(sum(np.sum((va.numpy() - vb.numpy()) ** 2.0) for va, vb in zip(a.variables, b.variables)))
         size = np.sqrt(sum(np.sum(vb.numpy() ** 2.0) for vb in b.variables))
         assert diff / size <= 1e-5, diff / size
+        assert (gradient_traces()["remade_input"] > remade) == (kw["lean"] == "recompute")
         return
     for va, vb in zip(a.variables, b.variables):
         np.testing.assert_array_equal(va.numpy(), vb.numpy(), err_msg=va.path)
