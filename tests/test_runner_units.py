@@ -1,5 +1,5 @@
 """Small runner pieces without a run: TensorFlow's start-up lines filtered, resume's change rules, the exactness
-verdict on non-finite errors, the TensorBoard hint."""
+verdict on non-finite errors, the TensorBoard hint, op determinism between a sweep's jobs."""
 
 from __future__ import annotations
 
@@ -97,3 +97,20 @@ def test_non_finite_gradient_error_is_not_exact(monkeypatch):
     monkeypatch.setattr(sections, "compare_with_whole", lambda engine, batch, examples: report)
     result = verify_exact(object(), {}, examples=4)
     assert result["exact"] is False and math.isnan(result["exact_gradient_rel_error"])
+
+
+def test_a_job_without_determinism_after_one_with_it_runs_without():
+    """Hydra runs a sweep's jobs in one process; op determinism is process-wide (and turns Keras's XLA off)."""
+    from tensorflow.python.framework.config import is_op_determinism_enabled
+
+    from runner.run.build import build
+    from test_runner_config import TINY, composed
+
+    try:
+        for deterministic in (True, False):
+            build(composed(*TINY, "data=synthetic", f"train.deterministic={str(deterministic).lower()}"))
+            assert is_op_determinism_enabled() is deterministic
+    finally:
+        from runner.run.build import set_determinism
+
+        set_determinism(False)

@@ -21,6 +21,19 @@ class Setup:
     strategy: Any = None  # the tf.distribute strategy (None: one device)
 
 
+def set_determinism(on: bool) -> None:
+    """TensorFlow's op determinism, on or off: a process-wide switch, and Hydra runs a sweep's jobs in one process,
+    so a job with ``train.deterministic=false`` after one with true must turn it off (it also keeps Keras from
+    compiling with XLA)."""
+    import tensorflow as tf
+    from tensorflow.python.framework import config  # disable_op_determinism has no public name
+
+    if on:
+        tf.config.experimental.enable_op_determinism()
+    else:
+        config.disable_op_determinism()
+
+
 def build(cfg: DictConfig, strategy=None) -> Setup:
     """Under a strategy, the network and optimizer are made in its scope and the engine runs on its replicas."""
     import contextlib
@@ -31,8 +44,7 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
     keras.backend.clear_session()  # also resets the dtype policy: set this run's after it
     set_precision(cfg.train.precision)
     keras.utils.set_random_seed(cfg.train.seed)
-    if cfg.train.deterministic:
-        tf.config.experimental.enable_op_determinism()
+    set_determinism(cfg.train.deterministic)
 
     data = instantiate(cfg.data, "data")
     spec = getattr(data.train_batches(cfg.batch, cfg.train.seed), "element_spec", None)  # lazy: nothing allocated
