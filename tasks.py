@@ -2,7 +2,7 @@
 
     python3 tasks.py run [hydra overrides...]   # python -m runner inside .venv
     python3 tasks.py test [pytest args...]      # the fast test suite (not the `slow` ones)
-    python3 tasks.py test-all                   # everything, slow quality bars included
+    python3 tasks.py test-all                   # everything, slow quality bars included, one process per test file
 
 On Linux with an NVIDIA GPU (``nvidia-smi -L`` lists one), the set-up also installs the ``gpu`` extra
 (``tensorflow[and-cuda]``: CUDA and cuDNN from pip), so TensorFlow finds the GPU with no system CUDA.
@@ -79,7 +79,22 @@ def main(argv: list[str]) -> int:
     setup()
     if commands[argv[0]] is None:
         return 0
+    if argv[0] == "test-all":
+        return test_files_apart(commands["test-all"], argv[1:])
     return subprocess.run(commands[argv[0]] + argv[1:], cwd=ROOT).returncode
+
+
+def test_files_apart(pytest: list[str], args: list[str]) -> int:
+    """Each test file in its own process: memory tests measure the whole device, and a process that ran the slow
+    keras.applications cases keeps about 1 GiB that no ``gc.collect`` frees (TensorFlow's and Keras's caches)."""
+    failed = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        code = subprocess.run(pytest + [str(path.relative_to(ROOT))] + args, cwd=ROOT).returncode
+        if code not in (0, 5):  # 5: nothing collected (a -k that matches nothing in this file)
+            failed.append(path.name)
+    if failed:
+        print(f"failed in: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

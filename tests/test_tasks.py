@@ -86,3 +86,17 @@ def test_tasks_needs_only_the_standard_library():
     proc = subprocess.run([sys.executable, "-I", "-S", str(tasks.ROOT / "tasks.py")], capture_output=True, text=True,
                           timeout=60)  # -S: no site-packages, as on a fresh machine; no command: prints its usage
     assert proc.returncode == 2 and proc.stderr.startswith("usage: python3 tasks.py {run|test|test-all|setup}")
+
+
+def test_test_all_runs_each_test_file_in_its_own_process(tmp_path, monkeypatch, capsys):
+    """One process per file (memory tests measure the whole device); a file's failure is named, an empty
+    selection (pytest's exit code 5) is not a failure."""
+    for name, code in [("test_a.py", 0), ("test_b.py", 1), ("test_c.py", 5), ("helper.py", 1)]:
+        (tmp_path / "tests").mkdir(exist_ok=True)
+        (tmp_path / "tests" / name).write_text(f"raise SystemExit({code})\n")
+    monkeypatch.setattr(tasks, "ROOT", tmp_path)
+    runner = [sys.executable, "-c", "import runpy, sys; runpy.run_path(sys.argv[1])"]
+    assert tasks.test_files_apart(runner, []) == 1
+    assert capsys.readouterr().err.strip() == "failed in: test_b.py"
+    (tmp_path / "tests" / "test_b.py").write_text("raise SystemExit(0)\n")
+    assert tasks.test_files_apart(runner, []) == 0
