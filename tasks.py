@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
 
 def test_files_apart(pytest: list[str], args: list[str]) -> int:
     """Each test file in its own process: memory tests measure the whole device, and a process that ran the slow
-    keras.applications cases keeps about 1 GiB that no ``gc.collect`` frees (TensorFlow's and Keras's caches)."""
+    keras.applications cases keeps 0.4-1 GiB that no ``gc.collect`` frees (measured; what holds it is not known)."""
     failed = []
     for path in sorted((ROOT / "tests").glob("test_*.py")):
         code = subprocess.run(pytest + [str(path.relative_to(ROOT))] + args, cwd=ROOT).returncode

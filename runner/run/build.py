@@ -39,7 +39,6 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
     import contextlib
 
     import keras
-    import tensorflow as tf
 
     keras.backend.clear_session()  # also resets the dtype policy: set this run's after it
     set_precision(cfg.train.precision)
