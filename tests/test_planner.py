@@ -232,6 +232,57 @@ def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypat
         f"runs ({dry_runs[0].num_sections} sections)"), engine.replans
 
 
+def test_after_the_models_plans_the_plan_for_the_whole_budget_is_dry_run_and_runs_when_it_fits(monkeypatch):
+    """Activations over-estimated 2x and one dry step for the model's plans: the plan kept under the safety margin
+    cuts and re-runs. The plan the model predicts fastest under the whole budget (no margin) is dry-run too; it
+    re-runs nothing, its dry step fits, so it runs, and its steps stay within the budget."""
+    from sections.step import engine as _engine
+
+    batch = make_batch(n=8, size=32, classes=10)
+    truth = Engine(conv_stack(depth=6, filters=16), keras.optimizers.SGD(0.1), sections="auto",
+                   memory_budget="10GiB")
+    truth.build(batch)
+    one_section = truth.plan.predicted_peak
+    del truth
+    _underestimate(monkeypatch, factor=2)
+    monkeypatch.setattr(_engine, "DRY_STEPS", 1)
+    dry_runs = []
+    measure_dry = _engine.Engine._dry_step
+    monkeypatch.setattr(_engine.Engine, "_dry_step", lambda self, b: dry_runs.append(self.plan) or measure_dry(self, b))
+    budget = 2 * one_section
+    engine = Engine(conv_stack(depth=6, filters=16), keras.optimizers.SGD(0.1), sections="auto",
+                    memory_budget=budget)
+    engine.build(batch)
+    assert len(dry_runs) == 2 and max(dry_runs[0].forward_runs) > 1, [p.summary() for p in dry_runs]
+    assert dry_runs[1].margin == 0 and engine.schedule.num_sections == 1, engine.describe()
+    assert "the fastest plan that fits" in engine.replans[-1]
+    peaks = [engine.train_step(batch)["step_peak_bytes"] for _ in range(2)]
+    assert max(peaks) <= budget, (peaks, engine.describe())
+
+
+def test_with_ops_in_one_order_a_dry_step_may_fill_the_budget(monkeypatch):
+    """With one inter-op thread a compiled step repeats its dry step's peak: a plan fits when its dry step plus
+    what its runs differed by is within the budget. With several threads the op order may flip, so a dry step
+    also keeps the largest block output and half the margin free. The advice for another run (another process may
+    settle on another order) keeps them either way."""
+    from sections.step import engine as _engine
+
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
+    engine.build(make_batch(n=32, size=8, classes=10))
+    largest = max(p.output_bytes for p in engine.profiles)
+    engine._dry_spread = 0
+    monkeypatch.setattr(engine.section_probe, "largest_spread", lambda: 0)
+    budget = engine.memory_budget
+    monkeypatch.setattr(_engine, "one_op_order", lambda: True)
+    assert engine._spread() == 0 and engine._fits(budget) and not engine._fits(budget + 1)
+    advised_one = engine._advised(budget)
+    monkeypatch.setattr(_engine, "one_op_order", lambda: False)
+    assert engine._spread() == largest > 0
+    assert not engine._fits(budget) and not engine._fits(budget - largest)
+    assert engine._fits(int(0.95 * budget) - 1)
+    assert engine._advised(budget) == advised_one >= budget + 2 * largest
+
+
 def test_a_dry_step_changes_no_variable_and_no_counter(monkeypatch):
     """Build's dry steps run the cycle unapplied: every variable (weights, batch-norm statistics, seeds, the
     optimizer's) reads as before, and the forward-run counters are back at zero."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Sequence
 
@@ -14,6 +15,16 @@ _warned = False
 
 def default_device() -> str:
     return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+
+
+def one_op_order() -> bool:
+    """Whether TensorFlow runs ready ops on one inter-op thread (``tf.config.threading`` or
+    ``TF_NUM_INTEROP_THREADS=1``): then a compiled function runs its ops in one order every call, and its peak
+    memory repeats; with several threads the order, and the peak, move between identical calls."""
+    threads = tf.config.threading.get_inter_op_parallelism_threads()
+    if not threads:  # 0: TensorFlow's default, unless the environment chose before the runtime started
+        threads = int(os.environ.get("TF_NUM_INTEROP_THREADS", "0") or 0)
+    return threads == 1
 
 
 def meter_devices(devices: Sequence[str]) -> list[str]:

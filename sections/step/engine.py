@@ -13,6 +13,7 @@ import tensorflow as tf
 from .. import rules
 from ..backend.profile import SectionProbe, gradient_bytes, probe_slice, profile_blocks
 from ..backend.lean import lean_scope
+from ..backend.memory import one_op_order
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import local_size
 from ..backend.structure import nbytes
@@ -136,13 +137,14 @@ class Engine(Trainer):
         self.schedule = schedule
         return list(schedule.starts), [p.name for p in schedule.policies]
 
-    def _plan(self, scale: float = 1.0):
+    def _plan(self, scale: float = 1.0, margin: float | None = None):
         probe = self.section_probe
+        options = {} if margin is None else {"margin": margin}
         with lean_scope(self.lean):  # blocks and sections are measured (lazily, here) as the sections will run
             return plan_measured(self.profiles, nbytes(self._input_specs), self.memory_budget, probe,
                                  spread=probe.largest_spread, base_bytes=self._base_bytes(),
                                  extra_bytes=self.fixed_extra, activation_scale=scale, grad_bytes=gradient_bytes(self.network),
-                                 apply_bytes=self._apply_bytes())
+                                 apply_bytes=self._apply_bytes(), **options)
 
     def build(self, batch) -> None:
         """As ``Trainer.build``; with ``sections="auto"``, then dry steps (``_calibrate``)."""
@@ -165,8 +167,9 @@ class Engine(Trainer):
         hold less (sections measured alone keep more than they do inside a step). The gap between a dry step and
         its prediction joins the fixed cost (either way) and the schedule is planned again: a plan predicted too
         high makes room for a faster one, too low for a smaller one; each new schedule is dry-run too (up to
-        ``DRY_STEPS``). A plan fits when its dry step plus the probe's run-to-run spread is within the budget and
-        the dry step within ``1 - margin / 2`` of it (``_fits``); of those, the one whose dry step ran fastest
+        ``DRY_STEPS``), and then the plan the model predicts fastest under the whole budget, without its safety margin
+        (``_try_bolder``). A plan fits when its dry step plus the run-to-run spread is within the budget and, unless
+        ops run in one order (``_fits``), the dry step within ``1 - margin / 2`` of it; of those, the one whose dry step ran fastest
         (timed, not predicted: the planner's re-run time model ranks close plans wrongly) runs, its prediction at
         least what its dry step measured. When none fits, the refusal names the smallest dry step measured and the
         budget that would fit it."""
@@ -186,6 +189,7 @@ class Engine(Trainer):
                 break
             self.plan, self._refusal = plan, refusal
             self._adopt(plan.schedule)
+        self._try_bolder(batch, runs)
         fitting = [run for run in runs if self._fits(run[1])]
         if fitting:
             # a plan that re-runs nothing is the fastest by construction (a timing's noise must not say otherwise)
@@ -205,32 +209,72 @@ class Engine(Trainer):
             return
         plan, measured = min(runs, key=lambda run: run[1])[:2]
         advised = self._advised(measured)
+        rule = (f"a plan runs when its dry step plus the {rules.human_bytes(self._spread())} by which its runs "
+                f"differed is within the budget (ops run in one order: steps repeat their dry step's peak)"
+                if one_op_order() else
+                f"a plan runs when its dry step plus the {rules.human_bytes(self._spread())} by which identical runs "
+                f"may differ is within the budget and the dry step within {1 - plan.margin / 2:.0%} of it")
         self._refusal = NoPlanFits(
             f"memory_budget={rules.human_bytes(self.memory_budget)} ({self.memory_budget} bytes): no partition "
             f"fits; the smallest plan's dry step (run unapplied at build) measured {rules.human_bytes(measured)} "
-            f"({measured} bytes); a plan runs when its dry step plus the {rules.human_bytes(self._spread())} by "
-            f"which identical runs may differ is within the budget and the dry step within {1 - plan.margin / 2:.0%} "
-            f"of it, and another run's dry step may read that much higher: the smallest budget that fits is about "
+            f"({measured} bytes); {rule}, and another run's dry step may read "
+            f"{rules.human_bytes(self._order_spread())} higher: the smallest budget that fits is about "
             f"{rules.human_bytes(advised)}.",
             measured, plan, advised)
 
-    def _spread(self) -> int:
+    def _try_bolder(self, batch, runs: list) -> None:
+        """One more dry step, of the plan the model predicts fastest under the whole budget (no safety margin),
+        where it re-runs fewer forwards than every plan that fit so far. The margin covers the model's error, but
+        a dry step measures the plan itself: where the model over-predicts (a large fused section keeps less than
+        its probes add up to) the margin alone would run plans that re-run far more than the budget needs. A dry
+        step the device has no memory for counts as not fitting."""
+        fitting = [run for run in runs if self._fits(run[1])]
+        if not runs or any(not _reruns(run[0]) for run in fitting):
+            return
+        try:
+            bold = self._plan(self._activation_scale, margin=0.0)
+        except NoPlanFits:
+            return
+        if any(bold.schedule == run[3][0] for run in runs) or (
+                fitting and sum(bold.forward_runs) >= min(sum(run[0].forward_runs) for run in fitting)):
+            return
+        self.plan = bold
+        self._adopt(bold.schedule)
+        try:
+            measured, seconds = self._dry_step(batch)
+        except tf.errors.ResourceExhaustedError:
+            return
+        runs.append((bold, measured, measured - (bold.predicted_peak - bold.extra_bytes), self._compiled(), seconds))
+
+    def _order_spread(self) -> int:
         """How far a step's peak may move between identical runs: the most the probe's sections or a dry step's two
         runs moved, and at least the largest block output (the executor's op order may keep one more activation
         alive; a few runs need not show it)."""
         largest = max((p.output_bytes for p in self.profiles or ()), default=0)
         return max(self.section_probe.largest_spread(), self._dry_spread, largest)
 
+    def _spread(self) -> int:
+        """What a step may hold beyond its plan's dry step: with ops on one inter-op thread (``one_op_order``) a
+        compiled function runs them in one order every call, so only what the probe's and dry steps' runs
+        differed by; else ``_order_spread``."""
+        if one_op_order():
+            return max(self.section_probe.largest_spread(), self._dry_spread)
+        return self._order_spread()
+
     def _fits(self, measured: int) -> bool:
-        """Whether a plan whose dry step measured ``measured`` bytes runs under the budget."""
-        return (measured + self._spread() <= self.memory_budget
-                and measured <= (1 - self.plan.margin / 2) * self.memory_budget)
+        """Whether a plan whose dry step measured ``measured`` bytes runs under the budget: with one op order, its
+        steps repeat the dry step's peak (within the spread seen); else they may also flip the order, so the dry
+        step also stays within ``1 - margin / 2`` of the budget."""
+        if measured + self._spread() > self.memory_budget:
+            return False
+        return one_op_order() or measured <= (1 - self.plan.margin / 2) * self.memory_budget
 
     def _advised(self, measured: int) -> int:
-        """The smallest budget (whole MiB) that a plan whose dry step measured ``measured`` fits in another run,
-        whose dry step may read up to the spread higher."""
-        again = measured + self._spread()
-        need = max(again + self._spread(), again / (1 - self.plan.margin / 2))
+        """The smallest budget (whole MiB) that a plan whose dry step measured ``measured`` fits in another run:
+        another process may settle on another op order (even with one thread), so its dry step may read up to the
+        order spread higher."""
+        again = measured + self._order_spread()
+        need = max(again + self._order_spread(), again / (1 - self.plan.margin / 2))
         return math.ceil(need / 2**20) * 2**20
 
     def _compiled(self) -> tuple:

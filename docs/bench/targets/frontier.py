@@ -125,9 +125,14 @@ def job(args, kind: str, arg) -> dict:
     return out
 
 
-def run(args, kind, arg) -> dict:
+def run(args, kind, arg, default_threads: bool = False) -> dict:
+    """One job in a fresh process; with ``--inter-op N`` its TensorFlow runs N inter-op threads, unless
+    ``default_threads`` (the baseline: TensorFlow's own thread pools, as users run)."""
     cmd = [sys.executable, __file__, "--job", json.dumps([kind, arg])] + args.passthrough
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if args.inter_op and not default_threads:
+        env["TF_NUM_INTEROP_THREADS"] = str(args.inter_op)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("JOB "):
             return json.loads(line[4:])
@@ -138,7 +143,9 @@ def label(r) -> str:
     if r["job"] == "auto":
         budget, lean = r["arg"]
         return f"auto {r['frac']:.2f} lean {lean}"
-    return r["job"] if r["job"] == "whole" else f"{r['job']} {r['arg']}" + (
+    if r["job"] == "whole":
+        return "whole" if r["arg"] is None else f"whole, {r['arg']} {r['inter_op']}"
+    return f"{r['job']} {r['arg']}" + (
         f" lean {r['lean_fixed']}" if r["job"] == "sectioned" else "")
 
 
@@ -155,6 +162,8 @@ def main():
     ap.add_argument("--kinds", default="recompute_grad,sectioned", help="fixed-partition jobs run at each --cuts")
     ap.add_argument("--probe-batch", type=int, default=None)
     ap.add_argument("--out", default="")
+    ap.add_argument("--inter-op", type=int, default=0,
+                    help="TF_NUM_INTEROP_THREADS for every job but the baseline whole (also run with it, as a row)")
     ap.add_argument("--job")
     args = ap.parse_args()
     args.passthrough = [a for a in sys.argv[1:] if a != "--job"]
@@ -162,26 +171,28 @@ def main():
         kind, arg = json.loads(args.job)
         print("JOB " + json.dumps(job(args, kind, arg)), flush=True)
         return
-    whole = run(args, "whole", None)
+    whole = run(args, "whole", None, default_threads=True)
     if "peaks" not in whole:
         sys.exit(f"whole failed: {whole}")
     wp, wt = max(whole["peaks"]), whole["seconds"]
     print(f"{args.model} batch {args.batch}: whole {wp / MiB:.0f} MiB, {wt:.2f} s/step; floor of any exact step "
           f"{whole['floor'] / MiB:.0f} MiB ({whole['floor'] / wp:.3f} of whole) = fixed {whole['floor_fixed'] / MiB:.0f} "
-          f"+ largest working set {whole['floor_work'] / MiB:.0f} ({whole['floor_where']}); load {os.getloadavg()}",
+          f"+ largest working set {whole['floor_work'] / MiB:.0f} ({whole['floor_where']}); load {os.getloadavg()}"
+          + (f"; jobs below whole with TF_NUM_INTEROP_THREADS={args.inter_op}" if args.inter_op else ""),
           flush=True)
     print("| job | sections | forward runs | predicted MiB | peak MiB (steps) | peak / whole | peak / floor | "
           "within budget | median s | time / whole |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
     results = [whole]
-    specs = [(k, c) for c in args.cuts.split(",") if c for k in args.kinds.split(",") if k]
+    specs = [("whole", "inter-op")] if args.inter_op else []
+    specs += [(k, c) for c in args.cuts.split(",") if c for k in args.kinds.split(",") if k]
     specs += [("auto", [int(float(f) * wp), lean]) for f in args.budgets.split(",") if f
               for lean in args.lean.split(",")]
     for kind, arg in [("whole", None)] + specs:
-        r = whole if kind == "whole" else run(args, kind, arg)
+        r = whole if (kind, arg) == ("whole", None) else run(args, kind, arg)
         if kind == "auto":
             r["frac"] = arg[0] / wp
-        r["lean_fixed"] = args.lean_fixed
-        if kind != "whole":
+        r["lean_fixed"], r["inter_op"] = args.lean_fixed, args.inter_op
+        if r is not whole:
             results.append(r)
         name = label(r)
         if "refused" in r or "error" in r:
