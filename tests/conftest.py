@@ -11,12 +11,15 @@ configure()  # the project's own CPU allocator setting (memory statistics on eve
 
 def _two_logical_cpus() -> None:
     """Split the CPU into 2 logical devices before TensorFlow initializes them, so MirroredStrategy tests
-    (tests/test_engine_distribute.py) have 2 replicas in this process; single-device code runs on CPU:0."""
+    (tests/test_engine_distribute.py) have 2 replicas in this process; single-device code runs on CPU:0. One
+    inter-op thread, as the runner sets by default."""
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        # The runner's default (train.inter_op_threads=1), so runner jobs run inside this process too.
+        tf.config.threading.set_inter_op_parallelism_threads(1)
     except RuntimeError:  # already initialized (a test process that imported TensorFlow earlier)
         pass
 
