@@ -50,6 +50,7 @@ class Plan:
     margin: float = 0.1
     measured_sections: int = 0  # sections of this plan whose activations were measured as one run
     extra_bytes: int = 0  # a dry step's measured peak minus the model's (included in base_bytes; may be < 0)
+    apply_peak: int = 0  # the optimizer update's predicted peak (every gradient at once), which a dry step skips
 
     @property
     def starts(self) -> list:
@@ -246,7 +247,7 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
         leaves = tuple(sorted((s, t) for s, t, kind, *_ in choices if kind == "leaf"))
         return Plan(schedule, int(max(peaks)), cost - total - overhead * schedule.num_sections, plan_budget,
                     base_bytes, tuple(count_forward_runs(schedule)), leaves, margin,
-                    sum(1 for span in leaves if span in chain.measured), extra_bytes)
+                    sum(1 for span in leaves if span in chain.measured), extra_bytes, int(apply_peak))
 
     def fits(plan_budget):
         """The solved plan at this budget, or None."""

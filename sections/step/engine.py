@@ -170,8 +170,8 @@ class Engine(Trainer):
         ``DRY_STEPS``), and then the plan the model predicts fastest under the whole budget, without its safety margin
         (``_try_bolder``). A plan fits when its dry step plus the run-to-run spread is within the budget and, unless
         ops run in one order (``_fits``), the dry step within ``1 - margin / 2`` of it; of those, the one whose dry step ran fastest
-        (timed, not predicted: the planner's re-run time model ranks close plans wrongly) runs, its prediction at
-        least what its dry step measured. When none fits, the refusal names the smallest dry step measured and the
+        (timed, not predicted: the planner's re-run time model ranks close plans wrongly) runs, its prediction what
+        its dry step measured (or the optimizer update's, if larger). When none fits, the refusal names the smallest dry step measured and the
         budget that would fit it."""
         # (plan, measured peak, the fixed cost that makes its prediction the measurement, state, seconds)
         runs: list = []
@@ -198,7 +198,10 @@ class Engine(Trainer):
             if state[0] is not self.schedule:
                 self._restore(state)
             self._refusal = None
-            self.plan = replace(plan, predicted_peak=max(measured, plan.predicted_peak), budget=self.memory_budget,
+            # Its step is what its dry step measured (the model's figure for it may be far above: the plan for the
+            # whole budget is predicted without a correction from its own dry step), or the update, which no dry
+            # step runs.
+            self.plan = replace(plan, predicted_peak=max(measured, plan.apply_peak), budget=self.memory_budget,
                                 extra_bytes=self.fixed_extra)
             if len(runs) > 1:
                 tried = ", ".join(f"{rules.human_bytes(m)} in {t:.2f} s ({_sections(p)})" for p, m, _, _, t in runs)
