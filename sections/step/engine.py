@@ -249,28 +249,31 @@ class Engine(Trainer):
             return
         runs.append((bold, measured, measured - (bold.predicted_peak - bold.extra_bytes), self._compiled(), seconds))
 
+    def _run_spread(self) -> int:
+        """The most the probe's sections or a dry step's two runs moved."""
+        return max(self.section_probe.largest_spread(), self._dry_spread)
+
     def _order_spread(self) -> int:
-        """How far a step's peak may move between identical runs: the most the probe's sections or a dry step's two
-        runs moved, and at least the largest block output (the executor's op order may keep one more activation
-        alive; a few runs need not show it)."""
+        """How far a step's peak may move between identical runs: ``_run_spread``, and at least the largest block
+        output (the executor's op order may keep one more activation alive; a few runs need not show it)."""
         largest = max((p.output_bytes for p in self.profiles or ()), default=0)
-        return max(self.section_probe.largest_spread(), self._dry_spread, largest)
+        return max(self._run_spread(), largest)
 
     def _spread(self) -> int:
         """What a step may hold beyond its plan's dry step: with ops on one inter-op thread (``one_op_order``) a
-        compiled function runs them in one order every call, so only what the probe's and dry steps' runs
-        differed by; else ``_order_spread``."""
-        if one_op_order():
-            return max(self.section_probe.largest_spread(), self._dry_spread)
-        return self._order_spread()
+        compiled function runs them in one order every call, so ``_run_spread``; else ``_order_spread``."""
+        return self._run_spread() if one_op_order() else self._order_spread()
+
+    def _ceiling(self, plan) -> float:
+        """How close to its budget a step may come: the budget itself with one op order (steps repeat their dry
+        step); else ``1 - margin / 2`` of it (the order may flip)."""
+        return plan.budget if one_op_order() else (1 - plan.margin / 2) * plan.budget
 
     def _fits(self, measured: int) -> bool:
-        """Whether a plan whose dry step measured ``measured`` bytes runs under the budget: with one op order, its
-        steps repeat the dry step's peak (within the spread seen); else they may also flip the order, so the dry
-        step also stays within ``1 - margin / 2`` of the budget."""
-        if measured + self._spread() > self.memory_budget:
-            return False
-        return one_op_order() or measured <= (1 - self.plan.margin / 2) * self.memory_budget
+        """Whether a plan whose dry step measured ``measured`` bytes runs under the budget: the dry step plus the
+        spread within the budget, the dry step within ``_ceiling``."""
+        return (measured + self._spread() <= self.memory_budget
+                and measured <= self._ceiling(replace(self.plan, budget=self.memory_budget)))
 
     def _advised(self, measured: int) -> int:
         """The smallest budget (whole MiB) that a plan whose dry step measured ``measured`` fits in another run:
@@ -469,8 +472,7 @@ class Engine(Trainer):
         hb, old = rules.human_bytes, self.plan
         # Within the budget, a step over its dry step by no more than an op-order flip is noise, not a model error:
         # steps of some models (keras.applications ResNet50 on oneDNN) move by tens of MiB even on one thread.
-        inside = old.budget if one_op_order() else (1 - old.margin / 2) * old.budget
-        noise = self._order_spread() if measured <= inside else 0
+        noise = self._order_spread() if measured <= self._ceiling(old) else 0
         if measured <= old.predicted_peak + noise:
             return
         over_budget = measured > old.budget
