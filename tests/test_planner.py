@@ -240,7 +240,7 @@ def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypat
 
 
 def test_after_the_models_plans_the_plan_for_the_whole_budget_is_dry_run_and_runs_when_it_fits(monkeypatch):
-    """The model's plans (kept under its safety margin) all cut and re-run here, as where it over-predicts a large
+    """The model's plans (kept under its safety margin) all cut here, as where it over-predicts a large
     fused section: the plan it predicts fastest under the whole budget, without the margin, is dry-run too; it
     re-runs nothing and its dry step fits, so it runs, its steps within the budget."""
     from sections.step import engine as _engine
@@ -266,7 +266,7 @@ def test_after_the_models_plans_the_plan_for_the_whole_budget_is_dry_run_and_run
     engine = Engine(conv_stack(depth=6, filters=16), keras.optimizers.SGD(0.1), sections="auto",
                     memory_budget=budget)
     engine.build(batch)
-    assert max(dry_runs[0].forward_runs) > 1, dry_runs[0].summary()
+    assert dry_runs[0].schedule.num_sections > 1, dry_runs[0].summary()  # re-runs, or stores a section's tape
     assert dry_runs[-1].margin == 0 and dry_runs[-1].schedule.num_sections == 1, [p.summary() for p in dry_runs]
     assert engine.schedule.num_sections == 1 and "the fastest plan that fits" in engine.replans[-1], engine.describe()
     peaks = [engine.train_step(batch)["step_peak_bytes"] for _ in range(2)]
