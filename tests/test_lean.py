@@ -191,6 +191,29 @@ def test_batch_norm_alone(policy):
     assert gradient_traces()["recomputed"] == before  # nothing to re-make: it kept its input
 
 
+@pytest.mark.parametrize("policy, shape, axis, fused", [
+    ("float32", (4, 6, 6, 3), -1, True), ("mixed_float16", (4, 6, 6, 3), -1, True),
+    ("mixed_bfloat16", (4, 6, 6, 3), -1, True), ("float32", (8, 6), -1, True), ("float32", (4, 5, 3), -1, True),
+    ("float32", (2, 3, 4, 5, 3), -1, True), ("float64", (4, 6, 6, 3), -1, False), ("float32", (4, 3, 6, 6), 1, False)])
+def test_batch_norm_backward_is_tensorflows_fused_kernel_where_it_computes_the_same(policy, shape, axis, fused):
+    """Channels last with float32 statistics on CPU: one fused gradient op (any rank, viewed as NHWC);
+    float64 or channels first: the closed form in TensorFlow ops. Both equal Keras's op-by-op gradient."""
+    use(policy)
+    before = gradient_traces()["fused"]
+    x = image(shape, dtype="float64" if policy == "float64" else "float32")
+    assert_lean_equals_plain(lambda: [bn(axis=axis)], x, policy)
+    assert (gradient_traces()["fused"] > before) == fused
+
+
+def test_batch_norm_closed_form_in_tensorflow_ops_when_the_fused_kernel_is_off(monkeypatch):
+    from sections.backend import lean as _lean
+
+    monkeypatch.setattr(_lean, "FUSED", False)
+    before = gradient_traces()["fused"]
+    assert_lean_equals_plain(lambda: [conv(use_bias=False), bn(), keras.layers.LeakyReLU(0.2)], image(), "float32")
+    assert gradient_traces()["fused"] == before
+
+
 @pytest.mark.parametrize("kwargs", [dict(center=False), dict(scale=False), dict(center=False, scale=False),
                                     dict(axis=1), dict(epsilon=0.5)], ids=str)
 def test_batch_norm_options(kwargs):
