@@ -178,9 +178,9 @@ def test_dry_steps_at_build_fold_what_the_model_missed_into_the_prediction(monke
     assert last and engine.plan.predicted_peak >= max(last)
 
 
-def _one_section_peak(batch) -> int:
-    """The one-section plan's peak (its dry step, or the prediction if higher) for a 6-block conv stack."""
-    truth = Engine(conv_stack(depth=6, filters=16), keras.optimizers.SGD(0.1), sections="auto",
+def _one_section_peak(batch, depth=6) -> int:
+    """The one-section plan's peak (its dry step, or the prediction if higher) for a ``depth``-block conv stack."""
+    truth = Engine(conv_stack(depth=depth, filters=16), keras.optimizers.SGD(0.1), sections="auto",
                    memory_budget="10GiB")
     truth.build(batch)
     return truth.plan.predicted_peak
@@ -217,6 +217,8 @@ def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypat
     """Activations over-estimated 4x: the first plan cuts deep, each dry step measures less than predicted and the
     corrected plans re-run less; every plan fits the budget. The choice among them is the dry steps' measured time,
     not the re-run time the model predicts: with the first (deepest) plan's dry step timed fastest, it runs."""
+    batch = make_batch(n=64, size=16, classes=10)
+    budget = int(1.25 * _one_section_peak(batch, depth=8))  # every plan's dry step fits: none holds more than one section
     _engine = _underestimate(monkeypatch, factor=4)
     dry_runs = []
     measure_dry = _engine.Engine._dry_step
@@ -230,8 +232,8 @@ def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypat
     # The whole-budget dry step (its own test) may add a plan re-running nothing, which wins by construction.
     monkeypatch.setattr(_engine.Engine, "_try_bolder", lambda self, batch, runs: None)
     engine = Engine(conv_stack(depth=8, filters=16), keras.optimizers.SGD(0.1), sections="auto",
-                    memory_budget="20MiB")
-    engine.build(make_batch(n=64, size=16, classes=10))
+                    memory_budget=budget)
+    engine.build(batch)
     assert len(dry_runs) >= 2 and dry_runs[0] != dry_runs[-1], engine.describe()
     assert dry_runs[0].num_sections > dry_runs[-1].num_sections  # the model alone would prefer the later plans
     assert engine.schedule == dry_runs[0], engine.describe()
