@@ -213,20 +213,22 @@ def test_a_plan_predicted_too_high_makes_room_for_a_faster_one(monkeypatch):
     assert max(peaks) <= budget, (peaks, engine.describe())
 
 
-def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypatch):
+@pytest.mark.parametrize("step_seconds", [1.0, 0.01], ids=["apart", "within-noise"])
+def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypatch, step_seconds):
     """Activations over-estimated 4x: the first plan cuts deep, each dry step measures less than predicted and the
     corrected plans re-run less; every plan fits the budget. The choice among them is the dry steps' measured time,
-    not the re-run time the model predicts: with the first (deepest) plan's dry step timed fastest, it runs."""
+    not the re-run time the model predicts: with the first (deepest) plan's dry step timed fastest, it runs. Timed
+    within ``TIME_NOISE`` of each other, the plan re-running fewest forwards runs."""
     batch = make_batch(n=64, size=16, classes=10)
     budget = int(1.25 * _one_section_peak(batch, depth=8))  # every plan's dry step fits: none holds more than one section
     _engine = _underestimate(monkeypatch, factor=4)
     dry_runs = []
     measure_dry = _engine.Engine._dry_step
 
-    def timed(self, b):  # the real peak; each later plan's time 1 s longer than the one before
+    def timed(self, b):  # the real peak; each later plan's time step_seconds longer than the one before
         peak, _ = measure_dry(self, b)
         dry_runs.append(self.schedule)
-        return peak, float(len(dry_runs))
+        return peak, 1.0 + step_seconds * (len(dry_runs) - 1)
 
     monkeypatch.setattr(_engine.Engine, "_dry_step", timed)
     # The whole-budget dry step (its own test) may add a plan re-running nothing, which wins by construction.
@@ -236,9 +238,14 @@ def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypat
     engine.build(batch)
     assert len(dry_runs) >= 2 and dry_runs[0] != dry_runs[-1], engine.describe()
     assert dry_runs[0].num_sections > dry_runs[-1].num_sections  # the model alone would prefer the later plans
-    assert engine.schedule == dry_runs[0], engine.describe()
-    assert "in 1.00 s" in engine.replans[-1] and engine.replans[-1].endswith(
-        f"runs ({dry_runs[0].num_sections} sections)"), engine.replans
+    assert "in 1.00 s" in engine.replans[-1], engine.replans
+    if step_seconds > _engine.TIME_NOISE:
+        assert engine.schedule == dry_runs[0], engine.describe()
+    else:
+        runs = [sum(count_forward_runs(schedule)) for schedule in dry_runs]
+        assert sum(count_forward_runs(engine.schedule)) == min(runs) < runs[0], runs
+    assert engine.replans[-1].endswith(f"runs ({engine.schedule.num_sections} section"
+                                       f"{'s' if engine.schedule.num_sections > 1 else ''})"), engine.replans
 
 
 def test_after_the_models_plans_the_plan_for_the_whole_budget_is_dry_run_and_runs_when_it_fits(monkeypatch):
