@@ -9,7 +9,8 @@ and the temporaries it makes change, with the same math (equal within rounding):
   where TensorFlow differentiates the moments and the affine step op by op (several input-sized temporaries
   at once). On a CPU-only process with float32 statistics and the channels last, that closed form is TensorFlow's
   fused kernel (``FusedBatchNormGradV3``, oneDNN's where TensorFlow uses oneDNN): one input-sized result, no
-  temporaries, 2.6x faster than the closed form in TensorFlow ops with oneDNN (equal without). Renorm, synchronized statistics, a mask, a frozen layer or inference mode: Keras's own call.
+  temporaries, 2-3x faster than the closed form in TensorFlow ops with oneDNN (as fast without). Renorm,
+  synchronized statistics, a mask, a frozen layer or inference mode: Keras's own call.
 * A batch norm whose input a ``Conv1D/2D/3D``, ``DepthwiseConv2D`` or ``Dense`` layer made (inside the same
   scope) keeps nothing input-sized: its backward re-runs that layer's ``call`` on the layer's input, which the
   layer's own gradient keeps anyway (one more forward of that layer per step).
