@@ -178,11 +178,13 @@ def test_dry_steps_at_build_fold_what_the_model_missed_into_the_prediction(monke
     assert last and engine.plan.predicted_peak >= max(last)
 
 
-def _one_section_peak(batch, depth=6) -> int:
-    """The one-section plan's peak (its dry step, or the prediction if higher) for a ``depth``-block conv stack."""
+@functools.lru_cache(maxsize=None)  # an engine's probe and dry steps: once per shape in this process
+def _one_section_peak(n, size, depth=6) -> int:
+    """The one-section plan's peak (its dry step, or the prediction if higher) for a ``depth``-block conv stack
+    on ``make_batch(n, size, classes=10)``."""
     truth = Engine(conv_stack(depth=depth, filters=16), keras.optimizers.SGD(0.1), sections="auto",
                    memory_budget="10GiB")
-    truth.build(batch)
+    truth.build(make_batch(n=n, size=size, classes=10))
     return truth.plan.predicted_peak
 
 
@@ -194,7 +196,7 @@ def test_a_plan_predicted_too_high_makes_room_for_a_faster_one(monkeypatch):
     from sections.step import engine as _engine
 
     batch = make_batch(n=8, size=32, classes=10)
-    one_section = _one_section_peak(batch)
+    one_section = _one_section_peak(8, 32)
     base = _engine.Engine._base_bytes
     monkeypatch.setattr(_engine.Engine, "_base_bytes", lambda self: base(self) + one_section)
     dry_runs = []
@@ -220,7 +222,7 @@ def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypat
     not the re-run time the model predicts: with the first (deepest) plan's dry step timed fastest, it runs. Timed
     within ``TIME_NOISE`` of each other, the plan re-running fewest forwards runs."""
     batch = make_batch(n=64, size=16, classes=10)
-    budget = int(1.25 * _one_section_peak(batch, depth=8))  # every plan's dry step fits: none holds more than one section
+    budget = int(1.25 * _one_section_peak(64, 16, depth=8))  # every plan's dry step fits: none holds more than one section
     _engine = _underestimate(monkeypatch, factor=4)
     dry_runs = []
     measure_dry = _engine.Engine._dry_step
@@ -255,7 +257,7 @@ def test_after_the_models_plans_the_plan_for_the_whole_budget_is_dry_run_and_run
     from sections.step import engine as _engine
 
     batch = make_batch(n=8, size=32, classes=10)
-    one_section = _one_section_peak(batch)
+    one_section = _one_section_peak(8, 32)
     real_plan = _engine.Engine._plan
 
     def cutting(self, scale=1.0, margin=None):  # the model's plans: as if its margin left room only for cuts
