@@ -146,7 +146,7 @@ def twin_networks(factory, batch):
     assert len(a.variables) == len(b.variables)
     for va, vb in zip(a.variables, b.variables):
         vb.assign(va)
-    _STARTS[a] = _STARTS[b] = _float_vector(a)
+    _STARTS[a] = _STARTS[b] = float_vector(a)
     return a, b
 
 
@@ -154,9 +154,17 @@ def twin_networks(factory, batch):
 _STARTS: "weakref.WeakKeyDictionary[Network, np.ndarray]" = weakref.WeakKeyDictionary()
 
 
-def _float_vector(network: Network) -> np.ndarray:
-    return np.concatenate([np.asarray(v.numpy(), "float64").ravel() for v in network.variables
+def float_vector(model) -> np.ndarray:
+    """Every float variable of a network or Keras model (weights, batch-norm statistics) as one vector."""
+    return np.concatenate([np.asarray(v.numpy(), "float64").ravel() for v in model.variables
                            if "float" in str(v.dtype)])
+
+
+def update_error(ours: np.ndarray, theirs: np.ndarray, start: np.ndarray) -> float:
+    """The distance between two updates from ``start`` over the size of the reference's (``theirs``)."""
+    update = np.linalg.norm(theirs - start)
+    assert update > 0, "the reference did not move"
+    return float(np.linalg.norm(ours - theirs) / update)
 
 
 def reference_train(network, batches, optimizer) -> list[float]:
@@ -186,11 +194,10 @@ def assert_same_variables(a: Network, b: Network, rtol=1e-5, atol=1e-6) -> None:
             np.testing.assert_allclose(np.asarray(va.numpy(), dtype="float64"),
                                        np.asarray(vb.numpy(), dtype="float64"), rtol=rtol, atol=atol, err_msg=va.path)
         return
-    ours, theirs = _float_vector(b), _float_vector(a)
-    update = np.linalg.norm(theirs - start)
-    assert update > 0, "the reference did not move"
-    error = np.linalg.norm(ours - theirs) / update
+    ours, theirs = float_vector(b), float_vector(a)
+    error = update_error(ours, theirs, start)
     if error > rtol:
+        update = np.linalg.norm(theirs - start)
         detail, at = [], 0
         for va, vb in zip(a.variables, b.variables):
             if "float" not in str(va.dtype):

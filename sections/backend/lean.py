@@ -241,8 +241,8 @@ def _fused_grad(x, dy, mean, variance, gamma, epsilon, has_scale, has_center):
     channels = shape[-1]
     view = [shape[0], -1, 1, channels]  # every axis but the channels is reduced: any rank folds into NHWC
     scale = gamma if gamma is not None else tf.ones([channels], tf.float32)
-    dx, dgamma, dbeta, _, _ = tf.raw_ops.FusedBatchNormGradV3(
-        y_backprop=tf.reshape(tf.cast(dy, x.dtype), view), x=tf.reshape(x, view), scale=tf.cast(scale, tf.float32),
+    dx, dgamma, dbeta, _, _ = tf.raw_ops.FusedBatchNormGradV3(  # dy has x's dtype, gamma float32: _fusable
+        y_backprop=tf.reshape(dy, view), x=tf.reshape(x, view), scale=scale,
         reserve_space_1=mean, reserve_space_2=variance, reserve_space_3=tf.zeros([0], tf.float32),
         epsilon=epsilon, data_format="NHWC", is_training=True)
     grads = [tf.reshape(dx, shape), None, None]
