@@ -64,11 +64,12 @@ def due(step: int, every: int, last: int) -> bool:
 
 
 class Profiler(Hook):
-    """`train.profile_steps=[a, b]`: a TensorBoard profile of steps a..b, written into the run folder."""
+    """`train.profile_steps=[a, b]`: a TensorBoard profile of steps a..b, written into the run folder, and what held
+    those steps' memory peak (`peak_breakdown.md`, from the profile's allocator trace: `runner.record.peak`)."""
 
     def __init__(self, steps, out: Path):
         self.window = tuple(steps) if steps else None
-        self.out, self.active = out, False
+        self.out, self.active, self.statistics = out, False, None
 
     def on_step_begin(self, step: int) -> None:
         if self.window and step == self.window[0]:
@@ -78,6 +79,8 @@ class Profiler(Hook):
             self.active = True
 
     def on_step_end(self, step: int, stats: dict, seconds: float) -> None:
+        if self.active and stats.get("step_peak_bytes") is not None:
+            self.statistics = max(self.statistics or 0, stats["step_peak_bytes"])
         if self.active and step >= self.window[1]:
             self.on_train_end()
             log.info(f"profile of steps {self.window[0]}-{self.window[1]} written to {self.out / 'plugins' / 'profile'}"
@@ -89,6 +92,22 @@ class Profiler(Hook):
 
             self.active = False
             tf.profiler.experimental.stop()
+            self._write_breakdown()
+
+    def _write_breakdown(self) -> None:
+        from runner.platform.files import write_atomic
+        from runner.record import peak
+
+        found = peak.read(self.out / "plugins" / "profile", self.statistics)
+        if found is None:
+            log.info("the profile traced no allocation (under oneDNN it leaves out those under 256 KiB): "
+                     "no peak breakdown")
+            return
+        path = self.out / "peak_breakdown.md"
+        first, last = self.window
+        steps = f"step {first}" if first == last else f"steps {first}-{last}"
+        write_atomic(path, f"# What held the peak of {steps}\n\n" + found.table())
+        log.info(f"{found.headline()} (table: {path})")
 
 
 class FiniteStop(Hook):
