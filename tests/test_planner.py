@@ -488,3 +488,33 @@ def test_the_advised_budget_fits_and_measured_steps_stay_within_it(factor):
     # plan keeps below the budget, every step to the budget.
     assert sorted(peaks)[1] <= plan.predicted_peak * (1 + plan.margin) + spread, (peaks, spread, plan.summary())
     assert max(peaks) >= 0.8 * plan.predicted_peak, (peaks, plan.summary())
+
+
+def test_after_build_the_probe_keeps_no_border_tensors(monkeypatch):
+    """The section probe caches borders while planning (every 8 blocks, at the probe batch); ``release`` frees
+    them (a later measurement re-computes them, to the same figure), and an auto build releases them once the
+    plan is chosen."""
+    import tensorflow as tf
+
+    from sections.backend.memory import MemoryMeter
+    from sections.backend.profile import SectionProbe
+
+    batch = make_batch(n=32, size=32, classes=10)
+    net = conv_stack(depth=12, filters=16)
+    engine = Engine(net, keras.optimizers.SGD(0.1), sections=1)
+    engine.build(batch)  # the weights
+    probe = SectionProbe(net, dict(batch), 32, MemoryMeter())
+    measured = probe(9, 12)
+    assert sorted(probe._borders) == [0, 8]
+    held = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    probe.release()
+    freed = held - tf.config.experimental.get_memory_info("CPU:0")["current"]
+    assert sorted(probe._borders) == [0] and freed >= 32 * 32 * 32 * 16 * 4, freed  # one block output
+    del probe.measured[(9, 12)]
+    assert probe(9, 12) == pytest.approx(measured, rel=0.25) and sorted(probe._borders) == [0, 8]  # re-computed
+
+    released = []
+    monkeypatch.setattr(SectionProbe, "release", lambda self: released.append(self))
+    auto = Engine(conv_stack(depth=4, filters=16), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
+    auto.build(make_batch(n=8, size=8, classes=10))
+    assert released == [auto.section_probe]

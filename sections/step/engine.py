@@ -158,6 +158,7 @@ class Engine(Trainer):
             return
         if self.meter.available and not self.replicas.distributed:
             self._calibrate(self.replicas.split(dict(_as_tensors(self.network, batch))))
+        self.section_probe.release()  # planning is done: a re-plan re-computes what it needs
         if self._refusal is not None:
             self._built = False
             raise self._refusal

@@ -29,6 +29,9 @@ def main():
     ap.add_argument("--lean", default="recompute", help="off, on, recompute")
     ap.add_argument("--probe-batch", type=int, default=None)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--warm", type=int, default=2, help="steps before the profile")
+    ap.add_argument("--profile-steps", type=int, default=1,
+                    help="steps profiled (2: what a step leaves allocated shows up in the next one's peak)")
     args = ap.parse_args()
 
     from sections import allocator
@@ -49,12 +52,12 @@ def main():
     else:
         trainer = WholeGraph(net, opt)
     trainer.build(data)
-    peaks = [trainer.train_step(data)["step_peak_bytes"] for _ in range(2)]
+    peaks = [trainer.train_step(data)["step_peak_bytes"] for _ in range(args.warm)]
     with tempfile.TemporaryDirectory() as logdir:
         tf.profiler.experimental.start(logdir)
-        peaks.append(trainer.train_step(data)["step_peak_bytes"])
+        peaks += [trainer.train_step(data)["step_peak_bytes"] for _ in range(args.profile_steps)]
         tf.profiler.experimental.stop()
-        found = peak.read(Path(logdir), peaks[-1])
+        found = peak.read(Path(logdir), max(peaks[args.warm:]))
     plan = getattr(trainer, "plan", None)
     sections = len(trainer.sections) if hasattr(trainer, "sections") else 1
     print(f"{args.model} batch {args.batch}, {sections} section(s)"
