@@ -27,7 +27,8 @@ class Held:
 
     place: str
     region: str
-    nbytes: int = 0
+    nbytes: int = 0  # the allocator's chunks (what its statistics count)
+    requested: int = 0  # what the tensors asked for
     count: int = 0
     shapes: set = field(default_factory=set)
 
@@ -64,7 +65,17 @@ class PeakBreakdown:
         if rest:
             rows.append(f"| {len(rest)} other places | {sum(h.nbytes for h in rest) / MiB:.1f} | "
                         f"{sum(h.count for h in rest)} | |")
+        slack = self.slack()
+        if slack:
+            rows += ["", f"Of the traced chunks, {slack / MiB:.1f} MiB is beyond what their tensors asked for (a BFC "
+                         f"allocator hands a whole free chunk to a request of over half its size when less than "
+                         f"128 MiB would be left)."]
         return "\n".join(rows) + "\n"
+
+    def slack(self) -> int:
+        """Bytes the live chunks hold beyond their tensors' requests (the allocator's rounding and unsplit
+        chunks)."""
+        return sum(h.nbytes - h.requested for h in self.held if h.requested)
 
     def headline(self, top: int = 3) -> str:
         """One line: the peak and its largest holders."""
@@ -132,6 +143,7 @@ def breakdown(events: list, statistics: int | None = None) -> PeakBreakdown | No
         key = (place(stats.get("tf_op")), stats.get("region_type") or "?")
         held = groups.setdefault(key, Held(*key))
         held.nbytes += stats.get("allocation_bytes") or 0
+        held.requested += stats.get("requested_bytes") or 0
         held.count += 1
         held.shapes.add(stats.get("shape") or "?")
     held = sorted(groups.values(), key=lambda h: -h.nbytes)
