@@ -492,8 +492,8 @@ def test_the_advised_budget_fits_and_measured_steps_stay_within_it(factor):
 
 def test_after_build_the_probe_keeps_no_border_tensors(monkeypatch):
     """The section probe caches borders while planning (every 8 blocks, at the probe batch); ``release`` frees
-    them (a later measurement re-computes them, to the same figure), and an auto build releases them once the
-    plan is chosen."""
+    them (a later measurement re-computes them, to the same figure), and an auto build releases them before each
+    dry step and once the plan is chosen."""
     import tensorflow as tf
 
     from sections.backend.memory import MemoryMeter
@@ -513,8 +513,13 @@ def test_after_build_the_probe_keeps_no_border_tensors(monkeypatch):
     del probe.measured[(9, 12)]
     assert probe(9, 12) == pytest.approx(measured, rel=0.25) and sorted(probe._borders) == [0, 8]  # re-computed
 
-    released = []
-    monkeypatch.setattr(SectionProbe, "release", lambda self: released.append(self))
+    from sections.step import engine as _engine
+
+    calls = []
+    monkeypatch.setattr(SectionProbe, "release", lambda self: calls.append("release"))
+    dry_step = _engine.Engine._dry_step
+    monkeypatch.setattr(_engine.Engine, "_dry_step", lambda self, b: calls.append("dry") or dry_step(self, b))
     auto = Engine(conv_stack(depth=4, filters=16), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
     auto.build(make_batch(n=8, size=8, classes=10))
-    assert released == [auto.section_probe]
+    # Dry steps measure what training will hold: the borders are dropped before each, and once more at the end.
+    assert "dry" in calls and calls == ["dry", "release"] * calls.count("dry") + ["release"], calls

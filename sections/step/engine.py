@@ -158,7 +158,7 @@ class Engine(Trainer):
             return
         if self.meter.available and not self.replicas.distributed:
             self._calibrate(self.replicas.split(dict(_as_tensors(self.network, batch))))
-        self.section_probe.release()  # planning is done: a re-plan re-computes what it needs
+        self.section_probe.release()  # planning is done (also before each dry step): a re-plan re-computes them
         if self._refusal is not None:
             self._built = False
             raise self._refusal
@@ -298,7 +298,10 @@ class Engine(Trainer):
     def _dry_step(self, batch) -> tuple[int, float]:
         """A step's cycle run twice, not applied; state (batch-norm statistics, seeds, ``dry_state()``) and counters
         restored after each. The larger peak (a first run of new functions reads low: kernels keep buffers from
-        their first run on, which later steps' peaks include) and the second run's seconds (the first traces)."""
+        their first run on, which later steps' peaks include) and the second run's seconds (the first traces).
+        The section probe's cached borders are dropped first: training will not hold them (a later plan re-computes
+        the ones it needs)."""
+        self.section_probe.release()
         state = [*self.network.non_trainable_variables, *self.dry_state()]
         saved = [tf.identity(v.value) for v in state]
         peaks = []
