@@ -98,7 +98,12 @@ class Profiler(Hook):
         from runner.platform.files import write_atomic
         from runner.record import peak
 
-        found = peak.read(self.out / "plugins" / "profile", self.statistics)
+        try:
+            found = peak.read(self.out / "plugins" / "profile", self.statistics)
+        except Exception as err:  # noqa: BLE001 - a diagnostic: it must not hide why the run ended
+            log.warning(f"the profile's allocator trace could not be read ({type(err).__name__}: {err}): "
+                        f"no peak breakdown")
+            return
         if found is None:
             log.info("the profile traced no allocation (under oneDNN it leaves out those under 256 KiB): "
                      "no peak breakdown")
