@@ -38,6 +38,20 @@ def check_lean(lean) -> bool | str:
                      f"convolution and dense inputs in the backward)")
 
 
+#: ``apply`` settings (``Engine(apply=...)``, ``sections.step.update``): where the optimizer applies gradients: section by section in the backward where
+#: that is exact, always in the backward (an error where not exact), or one update after the whole backward.
+APPLY_MODES = ("auto", "in_backward", "at_end")
+
+
+def check_apply(apply) -> str:
+    """``apply`` as one of ``APPLY_MODES``; else a clear error."""
+    if apply in APPLY_MODES:
+        return apply
+    raise ValueError(f"apply={apply!r}: must be one of {', '.join(APPLY_MODES)} (in_backward: apply each "
+                     f"section's gradients as soon as its backward made them; at_end: one update after the whole "
+                     f"backward; auto: in_backward where that equals one update)")
+
+
 class RuleError(ValueError):
     """A rule's answer: its one-line message, with the rule's name and the facts it decided on, so a caller that
     words answers its own way (the runner's ``key=value: ...``) wraps the answer and restates no rule."""

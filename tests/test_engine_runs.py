@@ -96,7 +96,9 @@ def test_each_border_is_freed_once_its_section_is_done(monkeypatch):
     border = 64 * 16 * 16 * 16 * 4
     before_backward = live[1:10]  # resets: forward, then the backward of sections 8, 7, ..., 0
     drops = [a - b for a, b in zip(before_backward[1:], before_backward[2:])]
-    assert all(0.9 * border <= d <= 1.2 * border for d in drops), (drops, border)
+    # A border frees its allocator chunk, which BFC may have left unsplit up to twice its size (with oneDNN off,
+    # one 1 MiB border here sits in a 1.88 MiB chunk): one border is at least 0.9 and less than 2 borders.
+    assert all(0.9 * border <= d < 2 * border for d in drops), (drops, border)
 
 
 def test_flops_per_section_are_positive_and_backward_exceeds_forward():

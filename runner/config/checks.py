@@ -84,6 +84,7 @@ def _check_engine(engine: DictConfig) -> None:
     if engine.memory_budget is not None:
         apply_rule("engine.memory_budget", engine.memory_budget, rules.parse_bytes, engine.memory_budget)
     apply_rule("engine.lean", engine.lean, rules.check_lean, engine.lean)
+    apply_rule("engine.apply", engine.apply, rules.check_apply, engine.apply)
 
 
 def _check_train(train: DictConfig) -> None:

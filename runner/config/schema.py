@@ -57,6 +57,7 @@ class EngineConfig:
     check: bool
     memory_budget: Any
     lean: Any  # true, false or recompute (runner.config.checks)
+    apply: str  # auto, in_backward or at_end (sections.step.update)
     probe_batch: Optional[int]
 
 

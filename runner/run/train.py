@@ -148,6 +148,9 @@ def describe_setup(engine, batch: int) -> dict:
         "num_blocks": len(engine.network.blocks),
         "memory_measured": bool(getattr(getattr(engine, "meter", None), "available", False)),
         "lean": getattr(engine, "lean", None),  # None: a trainer without lean gradients (whole, recompute_grad)
+        # where the optimizer applied the gradients: in the backward section by section, or once at the end (why)
+        "apply": "in_backward" if getattr(engine, "apply_reason", "") is None else "at_end",
+        "apply_reason": getattr(engine, "apply_reason", "a baseline trainer: one update after its whole step"),
     }
     if getattr(engine, "plan", None) is not None:
         info.update(memory_budget_bytes=engine.plan.budget, predicted_peak_bytes=engine.plan.predicted_peak,

@@ -23,6 +23,7 @@ from ..schedule.policies import KEEP_INPUT, Recompute, resolve
 from ..schedule.program import FORWARD, HOLD, LOSS, RESUME, Schedule, kept_policy
 from .base import Trainer, _as_tensors, add_gradients
 from .compile import ReplayMismatchError, SectionFunctions
+from .update import why_at_end
 
 __all__ = ["Engine", "ReplayMismatchError", "BudgetExceededError"]
 log = logging.getLogger("sections")
@@ -42,7 +43,7 @@ class Engine(Trainer):
 
     Args:
         network: the chain of blocks and its loss.
-        optimizer: a Keras 3 optimizer; applied once per step over all sections' gradients.
+        optimizer: a Keras 3 optimizer; one update per step, over every section's gradients (see ``apply``).
         sections: an int (that many contiguous sections balanced by activation bytes counted from shapes),
             a list of boundary names (where sections start), ``"auto"`` with ``memory_budget`` (the
             planner picks boundaries, policies and which borders to keep), or a ``Schedule``.
@@ -64,6 +65,11 @@ class Engine(Trainer):
             ``"recompute"``: lean, and a convolution or dense layer whose input a batch norm made (directly or
             through a ReLU) keeps nothing of it: its backward re-makes the input from what the batch norm keeps,
             running at most one more producer layer (lower peaks inside blocks, more forward work).
+        apply: ``"in_backward"``: apply each section's gradients as soon as its backward made them (and free
+            them), so no step holds every gradient at once; the same update as one apply (same step count,
+            learning rate and math per variable) for Keras's per-variable optimizers (``sections.step.update``),
+            an error for others. ``"at_end"``: one apply after the whole backward. ``"auto"`` (default):
+            ``in_backward`` where it is exact, else ``at_end`` (``apply_reason`` says why).
         probe_batch: examples the planner's per-block probe runs (``sections="auto"`` only); default: the real
             batch (one replica's share), so its memory and time are measured, not scaled from a small slice.
         device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
@@ -83,7 +89,7 @@ class Engine(Trainer):
     def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
                  policy="recompute", jit_compile: bool = False, check: bool = False,
                  memory_budget: int | str | None = None, probe_batch: int | None = None, device: str | None = None,
-                 distribute=None, one_graph: bool = False, lean: bool | str = True):
+                 distribute=None, one_graph: bool = False, lean: bool | str = True, apply: str = "auto"):
         fixed = sections if isinstance(sections, Schedule) else None
         if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
             sections, policy = fixed.num_sections, list(fixed.policies)
@@ -92,6 +98,14 @@ class Engine(Trainer):
         self.check = bool(check)
         self.one_graph = bool(one_graph)
         self.lean = rules.check_lean(lean)
+        self.apply = rules.check_apply(apply)
+        #: Why the update runs once after the whole backward (``None``: it runs section by section in it).
+        self.apply_reason = why_at_end(optimizer, self.replicas.distributed, self.one_graph)
+        if self.apply == "at_end":
+            self.apply_reason = "apply='at_end'"
+        elif self.apply == "in_backward" and self.apply_reason is not None and optimizer is not None:
+            raise ValueError(f"apply='in_backward' would not equal one update: {self.apply_reason}; use "
+                             f"apply='at_end' or 'auto'.")
         if self.one_graph and (check or sections == "auto" or fixed is not None):
             raise ValueError("one_graph=True compiles a fixed recompute partition into one step: it takes no "
                              "check mode, sections='auto' or Schedule.")
@@ -146,8 +160,8 @@ class Engine(Trainer):
         with lean_scope(self.lean):  # blocks and sections are measured (lazily, here) as the sections will run
             return plan_measured(self.profiles, nbytes(self._input_specs), self.memory_budget, probe,
                                  spread=probe.largest_spread, base_bytes=self._base_bytes(),
-                                 extra_bytes=self.fixed_extra, activation_scale=scale, grad_bytes=gradient_bytes(self.network),
-                                 apply_bytes=self._apply_bytes(), **options)
+                                 extra_bytes=self.fixed_extra, activation_scale=scale, **self._gradient_costs(),
+                                 **options)
 
     def build(self, batch) -> None:
         """As ``Trainer.build``; with ``sections="auto"``, then dry steps (``_calibrate``)."""
@@ -288,12 +302,12 @@ class Engine(Trainer):
 
     def _compiled(self) -> tuple:
         """What ``_adopt`` makes for the current schedule, to return to it without compiling again."""
-        return (self.schedule, self.sections, self._counters, self._fields, self._fns, self._apply,
-                getattr(self, "_graph_train", None), getattr(self, "_graph_grads", None))
+        return (self.schedule, self.sections, self._counters, self._fields, self._fns, self._apply, self._complete,
+                self._apply_parts, getattr(self, "_graph_train", None), getattr(self, "_graph_grads", None))
 
     def _restore(self, state: tuple) -> None:
-        (self.schedule, self.sections, self._counters, self._fields, self._fns, self._apply,
-         self._graph_train, self._graph_grads) = state
+        (self.schedule, self.sections, self._counters, self._fields, self._fns, self._apply, self._complete,
+         self._apply_parts, self._graph_train, self._graph_grads) = state
 
     def _dry_step(self, batch) -> tuple[int, float]:
         """A step's cycle run twice, not applied; state (batch-norm statistics, seeds, ``dry_state()``) and counters
@@ -307,7 +321,7 @@ class Engine(Trainer):
         peaks = []
         for _ in range(2):
             start = time.perf_counter()
-            _, _, _, step_peak = self._cycle(batch)
+            _, _, _, step_peak = self._cycle(batch, ready="keep" if self.apply_reason else "drop")
             seconds = time.perf_counter() - start
             for v, value in zip(state, saved):
                 v.assign(value)
@@ -336,15 +350,38 @@ class Engine(Trainer):
         """The optimizer update's temporaries beside every gradient: about two of the largest variable."""
         return 2 * max((nbytes(v) for v in self.network.trainable_variables), default=0)
 
+    def _gradient_costs(self) -> dict:
+        """The planner's gradient figures: each block's gradients, held from its backward until the update. Updated
+        in the backward, no section waits on a later one's; the update is still counted as if it held every
+        gradient at once (an upper bound on each section's own: rarely the step's peak)."""
+        grads = gradient_bytes(self.network)
+        if self.apply_reason is None:
+            return {"grad_bytes": None, "apply_bytes": self._apply_bytes() + sum(grads)}
+        return {"grad_bytes": grads, "apply_bytes": self._apply_bytes()}
+
     def _compile(self) -> None:
         self._fns = [SectionFunctions(self.network, s, c, self.jit_compile, scale_loss=self._scale_loss,
                                       replicas=self.replicas, lean=self.lean)
                      for s, c in zip(self.sections, self._counters)]
         # Sparse (embedding) gradients change length with the batch's shapes: their length is left unknown.
         self._apply = RelaxedFunction(self.replicas.wrap(self._apply_gradients), self.jit_compile, batch_args=())
+        self._complete = self._complete_after()
+        # apply="in_backward": one function per section (each updates its own variables: traced once)
+        self._apply_parts = [RelaxedFunction(self.replicas.wrap(self._apply_gradients), self.jit_compile, batch_args=())
+                             for _ in self.sections] if self.apply_reason is None else []
         if self.one_graph:
             self._graph_train = RelaxedFunction(self.replicas.wrap(self._graph_step), self.jit_compile, (0,))
             self._graph_grads = RelaxedFunction(self.replicas.wrap(self._graph_cycle), self.jit_compile, (0,))
+
+    def _complete_after(self) -> list[tuple[int, ...]]:
+        """Per section, the variables (indices into the trainable ones) whose gradient is whole once its backward
+        has run: those of no earlier section (the backward runs from the last section to the first)."""
+        first = {}
+        for section in self.sections:
+            for v in section.variables:
+                first.setdefault(self._var_index.get(id(v)), section.index)
+        first.pop(None, None)  # non-trainable
+        return [tuple(sorted(i for i, k in first.items() if k == section.index)) for section in self.sections]
 
     def _policy_label(self, section) -> str:
         return "fused (last)" if section.index == len(self.sections) - 1 else section.policy
@@ -355,11 +392,14 @@ class Engine(Trainer):
             self.meter.reset()
             loss = self._graph_train(local_size(batch, self.replicas), batch)
             return self._stats(loss, self.meter.peaks())
-        loss, grads, peaks, step_peak = self._cycle(batch)
-        self.meter.reset()
-        self._apply(0, *self._present(grads))
-        apply_peaks = self.meter.peaks()
-        device_peaks = {d: max(p, apply_peaks[d]) for d, p in step_peak.items()}
+        if self.apply_reason is None:
+            loss, _, peaks, device_peaks = self._cycle(batch, ready="apply")
+        else:
+            loss, grads, peaks, step_peak = self._cycle(batch)
+            self.meter.reset()
+            self._apply(0, *self._present(grads), False)
+            apply_peaks = self.meter.peaks()
+            device_peaks = {d: max(p, apply_peaks[d]) for d, p in step_peak.items()}
         stats = self._stats(loss, device_peaks, peaks)
         if self.plan is not None:
             # The plan is per replica; replicas on logical CPU devices share one allocator (read as their total).
@@ -409,11 +449,13 @@ class Engine(Trainer):
         self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, self._trainable) if g is not None])
         return loss
 
-    def _cycle(self, batch):
+    def _cycle(self, batch, ready: str = "keep"):
         """One step's gradients: the schedule's program run in order (the cached forward pass, the fused last
         section, then the backward from the last section to the first, re-creating dropped input borders).
 
-        ``kept[k]`` is what section k keeps for its backward, as ``(policy, what it kept)``.
+        ``ready``: what becomes of a variable's gradient once the backward has made all of it: ``"keep"`` (returned),
+        ``"apply"`` (applied there and freed: ``apply="in_backward"``), ``"drop"`` (freed unapplied: a dry step
+        of such an update). ``kept[k]`` is what section k keeps for its backward, as ``(policy, what it kept)``.
         """
         schedule, fns, meter = self.schedule, self._fns, self.meter
         last = len(self.sections) - 1
@@ -450,6 +492,8 @@ class Engine(Trainer):
                 expected = h if self.check else None
                 h = None
                 self._accumulate(grads, self.sections[k].variables, var_grads)
+                del var_grads
+                self._release(grads, k, ready)
                 measured(k)
             elif step.op == RESUME:
                 policy, keeps = kept[step.source]
@@ -466,8 +510,22 @@ class Engine(Trainer):
                 del keeps
                 snapshots[k] = None
                 self._accumulate(grads, self.sections[k].variables, var_grads)
+                del var_grads
+                self._release(grads, k, ready)
                 measured(k)
+        if ready == "apply":
+            self.optimizer.iterations.assign_add(1)  # the step's one count (each partial update gave its own back)
         return loss, grads, peaks, step_peak
+
+    def _release(self, grads: list, k: int, ready: str) -> None:
+        """Apply (``ready="apply"``) or drop (``"drop"``) the gradients section ``k``'s backward completed."""
+        if ready == "keep":
+            return
+        done = tuple(i for i in self._complete[k] if grads[i] is not None)
+        if ready == "apply" and done:
+            self._apply_parts[k](0, [grads[i] for i in done], done, True)
+        for i in done:
+            grads[i] = None
 
     def _replan_if_over(self, measured: int) -> None:
         """Every step: a measured peak above the plan's prediction corrects the cost model and re-plans (up to
@@ -526,11 +584,15 @@ class Engine(Trainer):
         idx = tuple(i for i, g in enumerate(grads) if g is not None)
         return [grads[i] for i in idx], idx
 
-    def _apply_gradients(self, grads, idx):
+    def _apply_gradients(self, grads, idx, partial: bool):
+        """The optimizer's update of the variables ``idx``; ``partial``: one of a step's several (its step count
+        given back, so each reads the same count and the step counts once)."""
         if self.replicas.distributed:
             # Function arguments carry no device; the all-reduce places by its inputs' devices (each replica's).
             grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
         self.optimizer.apply_gradients(zip(grads, [self._trainable[i] for i in idx]))
+        if partial:
+            self.optimizer.iterations.assign_sub(1)
 
     def flops(self) -> list[dict]:
         """Forward and backward FLOPs per section at the real batch (TensorFlow's cost analysis; traces each
@@ -545,6 +607,8 @@ class Engine(Trainer):
         for f in self._fns:
             counts.update(f.trace_counts())
         counts["apply"] = self._apply.tracing_count()
+        for k, part in enumerate(self._apply_parts):
+            counts[f"apply/section_{k}"] = part.tracing_count()
         if self.one_graph:
             counts["step"] = self._graph_train.tracing_count()
         return counts

@@ -40,6 +40,8 @@ class SectionedModel(keras.Model):
         one_graph: compile each step into one graph (``Engine(one_graph=True)``).
         lean: batch norm and some activations with gradients that keep less; ``"recompute"``: also
             convolution and dense inputs re-made in the backward (``Engine(lean=...)``).
+        apply: ``"auto"``, ``"in_backward"`` or ``"at_end"``: where the optimizer applies each section's
+            gradients (``Engine(apply=...)``).
         max_blocks: at most this many blocks the model is cut into (``Network.from_keras``).
 
     Create it (and the model) under ``strategy.scope()`` to train on a ``tf.distribute`` strategy's replicas.
@@ -53,13 +55,13 @@ class SectionedModel(keras.Model):
 
     def __init__(self, model, sections=4, policy="recompute", memory_budget=None, check: bool = False,
                  probe_batch: int | None = None, one_graph: bool = False, max_blocks: int = 64, lean: bool | str = True,
-                 name=None):
+                 apply: str = "auto", name=None):
         _check_model(model)
         super().__init__(name=name or f"sectioned_{model.name}")
         self.model = model
         self._engine_args = dict(sections=list(sections) if isinstance(sections, tuple) else sections,
                                  policy=policy, memory_budget=memory_budget, check=check,
-                                 probe_batch=probe_batch, one_graph=one_graph, lean=lean)
+                                 probe_batch=probe_batch, one_graph=one_graph, lean=lean, apply=apply)
         self.network = self._cut(model, sections, max_blocks)
         self.engine = self._new_engine(optimizer=None)  # checks sections and policy now: bad input fails here
         self.section_stats: dict | None = None
@@ -199,22 +201,33 @@ class _FitEngine(Engine):
     def __init__(self, *args, regularized=(), **kwargs):
         super().__init__(*args, **kwargs)
         self._regularized = list(regularized)
-        self._reg_fn = None
+        self._reg_fns: dict = {}
 
-    def _cycle(self, batch):
-        loss, grads, peaks, step_peak = super()._cycle(batch)
-        outside = self._outside_last()
-        if outside:
-            if self._reg_fn is None:
-                self._reg_fn = tf.function(self.replicas.wrap(self._regularization_gradients))
-            self._accumulate(grads, outside, self._reg_fn())
+    def _cycle(self, batch, ready: str = "keep"):
+        loss, grads, peaks, step_peak = super()._cycle(batch, ready)
+        if ready == "keep":
+            self._add_regularization(grads, self._outside_last())
         return loss, grads, peaks, step_peak
+
+    def _release(self, grads: list, k: int, ready: str) -> None:
+        if ready != "keep":  # updated in the backward: before the variables section k completed are applied
+            done = set(self._complete[k])
+            self._add_regularization(grads, [v for v in self._outside_last() if self._var_index[id(v)] in done])
+        super()._release(grads, k, ready)
+
+    def _add_regularization(self, grads: list, variables: list) -> None:
+        if not variables:
+            return
+        key = tuple(id(v) for v in variables)
+        if key not in self._reg_fns:
+            self._reg_fns[key] = tf.function(self.replicas.wrap(lambda: self._regularization_gradients(variables)))
+        self._accumulate(grads, variables, self._reg_fns[key]())
 
     def _graph_cycle(self, batch):
         loss, grads = super()._graph_cycle(batch)
         outside = self._outside_last()
         if outside:
-            self._accumulate(grads, outside, self._regularization_gradients(), in_graph=True)
+            self._accumulate(grads, outside, self._regularization_gradients(outside), in_graph=True)
         return loss, grads
 
     def _outside_last(self) -> list:
@@ -223,10 +236,9 @@ class _FitEngine(Engine):
 
     def _compile(self) -> None:
         super()._compile()
-        self._reg_fn = None  # a re-plan moves the last section's border: which variables are outside changes
+        self._reg_fns = {}  # a re-plan moves the sections' borders: which variables each holds changes
 
-    def _regularization_gradients(self):
-        variables = self._outside_last()
+    def _regularization_gradients(self, variables):
         with tf.GradientTape() as tape:
             reg = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in variables])
             scaled = self._scale_loss(reg)

@@ -18,8 +18,8 @@ class WholeGraph(Trainer):
 
     def __init__(self, network, optimizer, sections=1, policy=None, jit_compile: bool = False, check: bool = False,
                  memory_budget=None, probe_batch: int | None = None, device: str | None = None, distribute=None,
-                 lean: bool = False):
-        # policy, check, memory_budget and lean belong to the sectioned engine; accepted so configs can switch
+                 lean: bool = False, apply: str = "at_end"):
+        # policy, check, memory_budget, lean and apply belong to the sectioned engine; accepted so configs can switch
         # classes (a baseline runs every layer's own Keras gradient).
         if sections == "auto":
             raise ValueError(f"sections='auto' plans the sectioned engine; {type(self).__name__} takes an int "

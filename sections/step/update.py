@@ -1,0 +1,34 @@
+"""Where a step applies the optimizer: once after the whole backward (``at_end``) or section by section inside it
+(``in_backward``), each section's gradients applied as soon as its backward has made them and then freed.
+
+Updating early is exact only for an optimizer that updates each variable from its own gradient, the learning rate
+and the step count alone: Keras's built-in optimizers below, without a global gradient norm (``global_clipnorm``),
+loss scaling (a ``LossScaleOptimizer`` skips the whole step on any non-finite gradient), gradient accumulation or
+weight averaging (both act on every variable at once). ``Nadam`` is not one: it keeps a product over steps that
+each ``apply`` call advances.
+"""
+
+from __future__ import annotations
+
+#: Keras optimizers whose update of a variable reads only its gradient, its slots, the learning rate and the
+#: step count: applying them variable group by variable group within one step equals one apply.
+PER_VARIABLE = ("SGD", "Adam", "AdamW", "Adamax", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion", "Lamb",
+                "Adafactor")
+
+
+def why_at_end(optimizer, distributed: bool = False, one_graph: bool = False) -> str | None:
+    """Why ``optimizer`` must update once after the whole backward; ``None`` when section by section is exact."""
+    kind = type(optimizer)
+    if not (kind.__module__.startswith("keras.") and kind.__name__ in PER_VARIABLE):
+        return (f"{kind.__name__} is not one of the Keras optimizers known to update each variable on its own "
+                f"({', '.join(PER_VARIABLE)})")
+    for attribute, what in (("global_clipnorm", "clips by the global norm of every gradient"),
+                            ("use_ema", "averages every weight after the update"),
+                            ("gradient_accumulation_steps", "accumulates every gradient over steps")):
+        if getattr(optimizer, attribute, None):
+            return f"the optimizer {what} ({attribute}={getattr(optimizer, attribute)!r})"
+    if distributed:
+        return "under tf.distribute the update all-reduces the gradients in one call"
+    if one_graph:
+        return "one_graph=True compiles the update into the step"
+    return None
