@@ -317,9 +317,10 @@ def test_with_ops_in_one_order_a_dry_step_may_fill_the_budget(monkeypatch):
     assert not engine.replans and engine.plan.schedule == plan.schedule
 
 
-def test_a_dry_step_changes_no_variable_and_no_counter(monkeypatch):
-    """Build's dry steps run the cycle unapplied: every variable (weights, batch-norm statistics, seeds, the
-    optimizer's) reads as before, and the forward-run counters are back at zero."""
+@pytest.mark.parametrize("apply", ["in_backward", "at_end"])
+def test_a_dry_step_changes_no_variable_and_no_counter(monkeypatch, apply):
+    """Build's dry steps leave every variable (weights, batch-norm statistics, seeds, the optimizer's) as before,
+    and the forward-run counters at zero; where the update runs in the backward, they run its parts too."""
     from sections.step import engine as _engine
 
     seen = []
@@ -335,9 +336,11 @@ def test_a_dry_step_changes_no_variable_and_no_counter(monkeypatch):
 
     monkeypatch.setattr(_engine.Engine, "_dry_step", checked)
     net = conv_stack(depth=4)
-    engine = Engine(net, keras.optimizers.Adam(1e-3), sections="auto", memory_budget="10GiB")
+    engine = Engine(net, keras.optimizers.Adam(1e-3), sections="auto", memory_budget="10GiB", apply=apply)
     engine.build(make_batch(n=32, size=8, classes=10))
     assert seen and all(seen)
+    parts = [n for k, n in engine.trace_counts().items() if k.startswith("apply/")]
+    assert (sum(parts) > 0) is (apply == "in_backward"), engine.trace_counts()  # the dry steps ran the update
     assert any("moving" in v.path for v in net.non_trainable_variables)  # state a dry step would move
 
 

@@ -314,18 +314,27 @@ class Engine(Trainer):
         restored after each. The larger peak (a first run of new functions reads low: kernels keep buffers from
         their first run on, which later steps' peaks include) and the second run's seconds (the first traces).
         The section probe's cached borders are dropped first: training will not hold them (a later plan re-computes
-        the ones it needs)."""
+        the ones it needs). Where the update runs in the backward, its parts run too (their temporaries and new
+        slot buffers fall inside the backward): the weights and optimizer variables are copied to the host first
+        and restored after, and what the copies hold on the measured device (on a CPU, all of them) is taken off
+        the peak."""
         self.section_probe.release()
         state = [*self.network.non_trainable_variables, *self.dry_state()]
-        saved = [tf.identity(v.value) for v in state]
+        applied = self.apply_reason is None
+        if applied:
+            state += [*self._trainable, *self.optimizer.variables]
+        before = self.meter.current()
+        with tf.device("CPU:0"):  # copies, not views: a variable updated while a view of it lives is copied anew
+            saved = [tf.raw_ops.DeepCopy(x=v.value) if applied else tf.identity(v.value) for v in state]
+        held = self.meter.current() - before if applied else 0
         peaks = []
         for _ in range(2):
             start = time.perf_counter()
-            _, _, _, step_peak = self._cycle(batch, ready="keep" if self.apply_reason else "drop")
+            _, _, _, step_peak = self._cycle(batch, ready="apply" if applied else "keep")
             seconds = time.perf_counter() - start
             for v, value in zip(state, saved):
                 v.assign(value)
-            peaks.append(max(step_peak.values()))
+            peaks.append(max(step_peak.values()) - held)
         self._read_counters()
         self._dry_spread = max(self._dry_spread, max(peaks) - min(peaks))
         return max(peaks), seconds
@@ -352,11 +361,11 @@ class Engine(Trainer):
 
     def _gradient_costs(self) -> dict:
         """The planner's gradient figures: each block's gradients, held from its backward until the update. Updated
-        in the backward, no section waits on a later one's; the update is still counted as if it held every
-        gradient at once (an upper bound on each section's own: rarely the step's peak)."""
+        in the backward, no section waits on a later one's, and each update holds one section's gradients (those
+        are in its measured backward too): the update is counted with the largest block's."""
         grads = gradient_bytes(self.network)
         if self.apply_reason is None:
-            return {"grad_bytes": None, "apply_bytes": self._apply_bytes() + sum(grads)}
+            return {"grad_bytes": None, "apply_bytes": self._apply_bytes() + max(grads, default=0)}
         return {"grad_bytes": grads, "apply_bytes": self._apply_bytes()}
 
     def _compile(self) -> None:
@@ -453,9 +462,9 @@ class Engine(Trainer):
         """One step's gradients: the schedule's program run in order (the cached forward pass, the fused last
         section, then the backward from the last section to the first, re-creating dropped input borders).
 
-        ``ready``: what becomes of a variable's gradient once the backward has made all of it: ``"keep"`` (returned),
-        ``"apply"`` (applied there and freed: ``apply="in_backward"``), ``"drop"`` (freed unapplied: a dry step
-        of such an update). ``kept[k]`` is what section k keeps for its backward, as ``(policy, what it kept)``.
+        ``ready``: what becomes of a variable's gradient once the backward has made all of it: ``"keep"`` (returned)
+        or ``"apply"`` (applied there and freed: ``apply="in_backward"``). ``kept[k]`` is what section k keeps for
+        its backward, as ``(policy, what it kept)``.
         """
         schedule, fns, meter = self.schedule, self._fns, self.meter
         last = len(self.sections) - 1
@@ -518,11 +527,11 @@ class Engine(Trainer):
         return loss, grads, peaks, step_peak
 
     def _release(self, grads: list, k: int, ready: str) -> None:
-        """Apply (``ready="apply"``) or drop (``"drop"``) the gradients section ``k``'s backward completed."""
+        """With ``ready="apply"``, apply and free the gradients section ``k``'s backward completed."""
         if ready == "keep":
             return
         done = tuple(i for i in self._complete[k] if grads[i] is not None)
-        if ready == "apply" and done:
+        if done:
             self._apply_parts[k](0, [grads[i] for i in done], done, True)
         for i in done:
             grads[i] = None

@@ -95,11 +95,11 @@ def job(args, kind: str, arg) -> dict:
         elif kind == "recompute_grad":
             trainer = RecomputeGrad(net, opt, sections=cuts)
         elif kind == "sectioned":
-            trainer = Engine(net, opt, sections=cuts, lean=MODES[args.lean_fixed])
+            trainer = Engine(net, opt, sections=cuts, lean=MODES[args.lean_fixed], apply=args.apply)
         else:
             budget, lean = arg
             trainer = Engine(net, opt, sections="auto", memory_budget=int(budget), lean=MODES[lean],
-                             probe_batch=args.probe_batch)
+                             probe_batch=args.probe_batch, apply=args.apply)
         trainer.build(data)
     except ValueError as err:
         return dict(out, refused=str(err).splitlines()[0], advised=getattr(err, "advised", None))
@@ -161,6 +161,7 @@ def main():
                     help="lean for the fixed-partition engine jobs: off (absent), on (the flag alone), recompute")
     ap.add_argument("--kinds", default="recompute_grad,sectioned", help="fixed-partition jobs run at each --cuts")
     ap.add_argument("--probe-batch", type=int, default=None)
+    ap.add_argument("--apply", default="auto", help="the engine jobs' apply: auto, in_backward, at_end")
     ap.add_argument("--out", default="")
     ap.add_argument("--inter-op", type=int, default=0,
                     help="TF_NUM_INTEROP_THREADS for every job but the baseline whole (also run with it, as a row)")
