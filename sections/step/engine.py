@@ -28,7 +28,7 @@ from .update import why_at_end
 __all__ = ["Engine", "ReplayMismatchError", "BudgetExceededError"]
 log = logging.getLogger("sections")
 MAX_REPLANS = 3  # corrections of the cost model by measured steps before a step over the budget stops
-DRY_STEPS = 3  # at most this many unapplied steps at build measure what a plan's prediction leaves out
+DRY_STEPS = 3  # at most this many steps at build (state restored after) measure what a plan's prediction leaves out
 # Dry steps timed this close to the fastest count as ties, broken by fewer forward runs: one timed run per plan
 # moves by 3-5% on a shared CPU (the notebook ResNet's 0.30 plan flipped between 3 and 4 sections between runs).
 TIME_NOISE = 0.05
@@ -178,7 +178,7 @@ class Engine(Trainer):
             raise self._refusal
 
     def _calibrate(self, batch) -> None:
-        """Dry steps: run plans' steps without applying them (state restored) and keep the fastest one that fits.
+        """Dry steps: run plans' steps with their state restored after and keep the fastest one that fits.
 
         The planner composes a peak from what it measured of each section; a real step also holds what no section
         probe sees (the executor's buffers, kernel scratch, tensors the Python loop still references) and can
@@ -236,7 +236,7 @@ class Engine(Trainer):
                 f"may differ is within the budget and the dry step within {1 - plan.margin / 2:.0%} of it")
         self._refusal = NoPlanFits(
             f"memory_budget={rules.human_bytes(self.memory_budget)} ({self.memory_budget} bytes): no partition "
-            f"fits; the smallest plan's dry step (run unapplied at build) measured {rules.human_bytes(measured)} "
+            f"fits; the smallest plan's dry step (run at build, its state restored) measured {rules.human_bytes(measured)} "
             f"({measured} bytes); {rule}, and another run's dry step may read "
             f"{rules.human_bytes(self._order_spread())} higher: the smallest budget that fits is about "
             f"{rules.human_bytes(advised)}.",
