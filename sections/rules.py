@@ -38,8 +38,9 @@ def check_lean(lean) -> bool | str:
                      f"convolution and dense inputs in the backward)")
 
 
-#: ``apply`` settings (``Engine(apply=...)``, ``sections.step.update``): where the optimizer applies gradients: section by section in the backward where
-#: that is exact, always in the backward (an error where not exact), or one update after the whole backward.
+#: ``apply`` settings (``Engine(apply=...)``, ``sections.step.update``), where the optimizer applies gradients:
+#: section by section in the backward where that is exact, always in the backward (an error where it is not exact),
+#: or one update after the whole backward.
 APPLY_MODES = ("auto", "in_backward", "at_end")
 
 

@@ -236,7 +236,8 @@ class Engine(Trainer):
                 f"may differ is within the budget and the dry step within {1 - plan.margin / 2:.0%} of it")
         self._refusal = NoPlanFits(
             f"memory_budget={rules.human_bytes(self.memory_budget)} ({self.memory_budget} bytes): no partition "
-            f"fits; the smallest plan's dry step (run at build, its state restored) measured {rules.human_bytes(measured)} "
+            f"fits; the smallest plan's dry step (run at build, its state restored) measured "
+            f"{rules.human_bytes(measured)} "
             f"({measured} bytes); {rule}, and another run's dry step may read "
             f"{rules.human_bytes(self._order_spread())} higher: the smallest budget that fits is about "
             f"{rules.human_bytes(advised)}.",

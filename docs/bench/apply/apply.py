@@ -27,7 +27,8 @@ def build(args):
         from models.gpt import build_gpt
 
         net = build_gpt(vocab_size=8192, seq_len=128, d_model=512, num_layers=8, num_heads=8)
-        batch = {"tokens": rng.integers(0, 8192, (args.batch, 128)), "targets": rng.integers(0, 8192, (args.batch, 128))}
+        batch = {"tokens": rng.integers(0, 8192, (args.batch, 128)),
+                 "targets": rng.integers(0, 8192, (args.batch, 128))}
         opt = keras.optimizers.Adam(1e-4)
     else:
         from models.keras_app import build_keras_app
@@ -94,8 +95,8 @@ def main():
     peak = {m: statistics.median(max(r["peaks"]) for r in runs) for m, runs in rows.items()}
     secs = {m: statistics.median(r["seconds"] for r in runs) for m, runs in rows.items()}
     print(f"in_backward / at_end: largest step peak {peak['in_backward'] / peak['at_end']:.3f} "
-          f"({(peak['at_end'] - peak['in_backward']) / MiB:.0f} MiB less), time {secs['in_backward'] / secs['at_end']:.3f}"
-          f"; in_backward's reason: {rows['in_backward'][0]['reason']}")
+          f"({(peak['at_end'] - peak['in_backward']) / MiB:.0f} MiB less), "
+          f"time {secs['in_backward'] / secs['at_end']:.3f}; in_backward's reason: {rows['in_backward'][0]['reason']}")
 
 
 if __name__ == "__main__":
