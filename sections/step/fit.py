@@ -201,27 +201,27 @@ class _FitEngine(Engine):
     def __init__(self, *args, regularized=(), **kwargs):
         super().__init__(*args, **kwargs)
         self._regularized = list(regularized)
+        self._reg_groups: dict = {}  # "all", or a section index: the regularized variables it differentiates
         self._reg_fns: dict = {}
 
     def _cycle(self, batch, ready: str = "keep"):
         loss, grads, peaks, step_peak = super()._cycle(batch, ready)
         if ready == "keep":
-            self._add_regularization(grads, self._outside_last())
+            self._add_regularization(grads, "all")
         return loss, grads, peaks, step_peak
 
     def _release(self, grads: list, k: int, ready: str) -> None:
         if ready != "keep":  # updated in the backward: before the variables section k completed are applied
-            done = set(self._complete[k])
-            self._add_regularization(grads, [v for v in self._outside_last() if self._var_index[id(v)] in done])
+            self._add_regularization(grads, k)
         super()._release(grads, k, ready)
 
-    def _add_regularization(self, grads: list, variables: list) -> None:
+    def _add_regularization(self, grads: list, group) -> None:
+        variables = self._reg_groups.get(group)
         if not variables:
             return
-        key = tuple(id(v) for v in variables)
-        if key not in self._reg_fns:
-            self._reg_fns[key] = tf.function(self.replicas.wrap(lambda: self._regularization_gradients(variables)))
-        self._accumulate(grads, variables, self._reg_fns[key]())
+        if group not in self._reg_fns:
+            self._reg_fns[group] = tf.function(self.replicas.wrap(lambda: self._regularization_gradients(variables)))
+        self._accumulate(grads, variables, self._reg_fns[group]())
 
     def _graph_cycle(self, batch):
         loss, grads = super()._graph_cycle(batch)
@@ -236,7 +236,12 @@ class _FitEngine(Engine):
 
     def _compile(self) -> None:
         super()._compile()
-        self._reg_fns = {}  # a re-plan moves the sections' borders: which variables each holds changes
+        # A re-plan moves the sections' borders: which variables each holds changes.
+        outside = self._outside_last()
+        self._reg_groups = {"all": outside}
+        for k, done in enumerate(self._complete):
+            self._reg_groups[k] = [v for v in outside if self._var_index[id(v)] in set(done)]
+        self._reg_fns = {}
 
     def _regularization_gradients(self, variables):
         with tf.GradientTape() as tape:
