@@ -119,3 +119,78 @@ def test_update_at_end_equals_the_reference_and_names_itself():
 def test_a_bad_update_setting_names_the_allowed_ones():
     with pytest.raises(ValueError, match="apply='early': must be one of auto, in_backward, at_end"):
         Engine(hard_network(), keras.optimizers.SGD(), apply="early")
+
+
+
+def _slot_writes(opt, var, in_place: bool) -> dict:
+    """Per slot written by one traced apply, the op types writing it (through the function's captured handles)."""
+    from sections.step.update import assign_in_place
+
+    fn = tf.function(lambda g: opt.apply_gradients([(g, var)]))
+    if in_place:
+        with assign_in_place(opt):
+            graph = fn.get_concrete_function(tf.TensorSpec(var.shape)).graph
+    else:
+        graph = fn.get_concrete_function(tf.TensorSpec(var.shape)).graph
+    names = {id(inner): v.name for v in opt.variables for outer, inner in graph.captures if outer is v.value.handle}
+    writes: dict = {}
+    for op in graph.get_operations():
+        if op.type in ("AssignVariableOp", "ResourceStridedSliceAssign") and id(op.inputs[0]) in names:
+            writes.setdefault(names[id(op.inputs[0])], set()).add(op.type)
+    return writes
+
+
+@pytest.mark.parametrize("name", ["SGD", "RMSprop", "Lion"])
+def test_slots_are_written_into_their_own_buffers(name):
+    """Keras assigns a slot a new value whose buffer the variable adopts (AssignVariableOp), so slots move around
+    the heap every step; within ``assign_in_place`` the value is copied into the slot's buffer."""
+    var = keras.Variable(tf.ones((4, 3)))
+    opt = getattr(keras.optimizers, name)(0.1, **({"momentum": 0.9} if name in ("SGD", "RMSprop") else {}))
+    opt.build([var])
+    slots = {v.name for v in opt.variables if len(v.shape)}
+    keras_writes, ours = _slot_writes(opt, var, in_place=False), _slot_writes(opt, var, in_place=True)
+    assert slots and {k: keras_writes[k] for k in slots} == {k: {"AssignVariableOp"} for k in slots}
+    assert {k: ours[k] for k in slots} == {k: {"ResourceStridedSliceAssign"} for k in slots}
+    assert "assign" not in vars(opt)
+
+
+@pytest.mark.parametrize("apply", ["in_backward", "at_end"])
+def test_the_engine_updates_slots_in_place(apply, monkeypatch):
+    import sections.step.engine as engine_module
+    from sections.step.update import assign_in_place
+
+    used = []
+
+    def spy(optimizer, enabled=True):
+        used.append(enabled)
+        return assign_in_place(optimizer, enabled)
+
+    monkeypatch.setattr(engine_module, "assign_in_place", spy)
+    batch = make_batch(seed=0)
+    _, net = twin_networks(hard_network, batch)
+    engine = Engine(net, keras.optimizers.SGD(0.05, momentum=0.9), sections=4, apply=apply)
+    engine.train_step(batch)
+    assert used and all(used)  # every traced update ran within it
+    assert "assign" not in vars(engine.optimizer)
+
+
+@pytest.mark.parametrize("name", ["SGD", "RMSprop", "Adadelta", "Lion", "Ftrl"])
+def test_assignment_in_place_gives_the_same_bits(name):
+    from sections.step.update import assign_in_place
+
+    def run(in_place):
+        keras.utils.set_random_seed(1)
+        var = keras.Variable(tf.random.normal((5, 3)))
+        opt = getattr(keras.optimizers, name)(0.1, **({"momentum": 0.9} if name in ("SGD", "RMSprop") else {}))
+        step = tf.function(lambda g: opt.apply_gradients([(g, var)]))
+        for k in range(3):
+            grad = tf.random.stateless_normal((5, 3), (k, 7))
+            if in_place:
+                with assign_in_place(opt):
+                    step(grad)
+            else:
+                step(grad)
+        return var.numpy(), [v.numpy() for v in opt.variables]
+
+    (w1, s1), (w2, s2) = run(True), run(False)
+    assert (w1 == w2).all() and all((a == b).all() for a, b in zip(s1, s2))

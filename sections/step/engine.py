@@ -23,7 +23,7 @@ from ..schedule.policies import KEEP_INPUT, Recompute, resolve
 from ..schedule.program import FORWARD, HOLD, LOSS, RESUME, Schedule, kept_policy
 from .base import Trainer, _as_tensors, add_gradients
 from .compile import ReplayMismatchError, SectionFunctions
-from .update import why_at_end
+from .update import assign_in_place, why_at_end
 
 __all__ = ["Engine", "ReplayMismatchError", "BudgetExceededError"]
 log = logging.getLogger("sections")
@@ -456,7 +456,8 @@ class Engine(Trainer):
 
     def _graph_step(self, batch):
         loss, grads = self._graph_cycle(batch)
-        self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, self._trainable) if g is not None])
+        with assign_in_place(self.optimizer, not self.replicas.distributed):
+            self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, self._trainable) if g is not None])
         return loss
 
     def _cycle(self, batch, ready: str = "keep"):
@@ -600,7 +601,8 @@ class Engine(Trainer):
         if self.replicas.distributed:
             # Function arguments carry no device; the all-reduce places by its inputs' devices (each replica's).
             grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
-        self.optimizer.apply_gradients(zip(grads, [self._trainable[i] for i in idx]))
+        with assign_in_place(self.optimizer, not self.replicas.distributed):
+            self.optimizer.apply_gradients(zip(grads, [self._trainable[i] for i in idx]))
         if partial:
             self.optimizer.iterations.assign_sub(1)
 
