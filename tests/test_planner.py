@@ -445,8 +445,9 @@ def test_plans_use_measured_sections_and_name_every_one_they_measured():
 @pytest.mark.slow  # 20 s; test_the_advised_budget_fits_and_measured_steps_stay_within_it[1.0] is fast
 def test_a_plan_with_cuts_stays_within_its_budget_in_measured_steps():
     """A budget halfway between the smallest that fits (the planner's advice) and one section's predicted peak:
-    the plan cuts, and its measured steps stay within the budget and within the prediction plus the probe's
-    measured spread."""
+    the plan cuts, and its measured steps stay within the budget and within the prediction (its dry step) plus the
+    spread the engine's fit rule leaves for it (``_spread``: with several inter-op threads, at least the largest
+    block output; steps read 0.2% over the dry step alone with oneDNN off)."""
     from sections.schedule.planner import NoPlanFits
 
     batch = make_batch(n=8, size=64, classes=10)
@@ -462,7 +463,7 @@ def test_a_plan_with_cuts_stays_within_its_budget_in_measured_steps():
     engine = Engine(conv_stack(depth=16), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
                     memory_budget=budget)
     engine.build(batch)
-    plan, spread = engine.plan, engine.section_probe.largest_spread()
+    plan, spread = engine.plan, engine._spread()
     assert plan.schedule.num_sections > 1
     peaks = [engine.train_step(batch)["step_peak_bytes"] for _ in range(2)]
     assert max(peaks) <= budget, (peaks, engine.describe())
