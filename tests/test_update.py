@@ -121,16 +121,12 @@ def test_a_bad_update_setting_names_the_allowed_ones():
         Engine(hard_network(), keras.optimizers.SGD(), apply="early")
 
 
-
 def _slot_writes(opt, var, in_place: bool) -> dict:
     """Per slot written by one traced apply, the op types writing it (through the function's captured handles)."""
     from sections.step.update import assign_in_place
 
     fn = tf.function(lambda g: opt.apply_gradients([(g, var)]))
-    if in_place:
-        with assign_in_place(opt):
-            graph = fn.get_concrete_function(tf.TensorSpec(var.shape)).graph
-    else:
+    with assign_in_place(opt, enabled=in_place):
         graph = fn.get_concrete_function(tf.TensorSpec(var.shape)).graph
     names = {id(inner): v.name for v in opt.variables for outer, inner in graph.captures if outer is v.value.handle}
     writes: dict = {}
@@ -184,12 +180,8 @@ def test_assignment_in_place_gives_the_same_bits(name):
         opt = getattr(keras.optimizers, name)(0.1, **({"momentum": 0.9} if name in ("SGD", "RMSprop") else {}))
         step = tf.function(lambda g: opt.apply_gradients([(g, var)]))
         for k in range(3):
-            grad = tf.random.stateless_normal((5, 3), (k, 7))
-            if in_place:
-                with assign_in_place(opt):
-                    step(grad)
-            else:
-                step(grad)
+            with assign_in_place(opt, enabled=in_place):
+                step(tf.random.stateless_normal((5, 3), (k, 7)))
         return var.numpy(), [v.numpy() for v in opt.variables]
 
     (w1, s1), (w2, s2) = run(True), run(False)
