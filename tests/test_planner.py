@@ -190,15 +190,29 @@ def _one_section_peak(n, size, depth=6) -> int:
 
 @pytest.mark.slow  # 7-9 s: two engines and up to three dry steps
 def test_a_plan_predicted_too_high_makes_room_for_a_faster_one(monkeypatch):
-    """With the fixed cost over-estimated by a whole step's peak, the model cuts (or refuses) where one section
-    fits; the dry step measures less than predicted, the correction lets the one-section plan be tried, and the
-    fastest plan whose dry step fits runs, its steps within the budget."""
+    """With the fixed cost over-estimated by a whole step's peak, the model's first plan re-runs a section where
+    one section fits; its dry step measures less than predicted, the correction lets a plan re-running nothing be
+    tried, and the fastest plan whose dry step fits runs, its steps within the budget."""
+    from sections.schedule.program import Schedule
+    from sections.schedule.policies import Recompute
     from sections.step import engine as _engine
 
     batch = make_batch(n=8, size=32, classes=10)
     one_section = _one_section_peak(8, 32)
     base = _engine.Engine._base_bytes
     monkeypatch.setattr(_engine.Engine, "_base_bytes", lambda self: base(self) + one_section)
+    # The first plan (no dry step yet) re-runs the first half, made by hand: which plan the over-estimated model
+    # picks moves with the machine (with oneDNN off it predicted a stored first section far below its dry step,
+    # re-running nothing).
+    halves, real_plan = Schedule((3,), (Recompute(), Recompute())), _engine.Engine._plan
+
+    def first_cuts(self, scale=1.0, margin=None):
+        plan = real_plan(self, scale, margin)
+        if self.fixed_extra or margin is not None:
+            return plan
+        return replace(plan, schedule=halves, forward_runs=tuple(count_forward_runs(halves)))
+
+    monkeypatch.setattr(_engine.Engine, "_plan", first_cuts)
     dry_runs = []
     measure_dry = _engine.Engine._dry_step
     monkeypatch.setattr(_engine.Engine, "_dry_step",
@@ -207,8 +221,9 @@ def test_a_plan_predicted_too_high_makes_room_for_a_faster_one(monkeypatch):
     engine = Engine(conv_stack(depth=6, filters=16), keras.optimizers.SGD(0.1), sections="auto",
                     memory_budget=budget)
     engine.build(batch)
-    assert dry_runs[0].schedule.num_sections > 1, dry_runs[0].summary()  # the over-estimate cut
-    assert engine.schedule.num_sections == 1 and len(dry_runs) >= 2, engine.describe()  # maybe via another plan
+    assert dry_runs[0].schedule == halves, dry_runs[0].summary()
+    # One section, or sections that re-run nothing (a first section's tape stored): as fast. Maybe via another plan.
+    assert max(engine.plan.forward_runs) == 1 and len(dry_runs) >= 2, engine.describe()
     assert "the fastest plan that fits" in engine.replans[-1]
     assert engine.plan.extra_bytes < 0 and "less than the model" in engine.describe()
     peaks = [engine.train_step(batch)["step_peak_bytes"] for _ in range(2)]
@@ -240,7 +255,9 @@ def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypat
     engine.build(batch)
     assert len(dry_runs) >= 2 and dry_runs[0] != dry_runs[-1], engine.describe()
     runs = [sum(count_forward_runs(schedule)) for schedule in dry_runs]
-    assert runs[0] > runs[-1], runs  # the model alone would prefer the later plans: they re-run less
+    # The model alone would prefer a later plan: one re-runs less. (Which later plans come, and in what order,
+    # follows the measured dry steps, which move by a few MiB between processes.)
+    assert min(runs[1:]) < runs[0], runs
     assert "in 1.00 s" in engine.replans[-1], engine.replans
     if step_seconds > _engine.TIME_NOISE:
         assert engine.schedule == dry_runs[0], engine.describe()
@@ -401,7 +418,9 @@ def test_every_step_is_checked_against_the_budget(monkeypatch):
     first = engine.train_step(batch)
     assert first["step_peak_bytes"] < engine.plan.budget
     budget = engine.plan.budget
-    monkeypatch.setattr(engine.meter, "peaks", lambda: {d: budget + 64 * MiB for d in engine.meter.devices})
+    # 16x the budget: activations corrected by tens of times, which no plan of four blocks fits in 64 MiB (at
+    # budget + 64 MiB the correction was 3.6x in one run, and a corrected two-section plan fitted).
+    monkeypatch.setattr(engine.meter, "peaks", lambda: {d: 16 * budget for d in engine.meter.devices})
     with pytest.raises(BudgetExceededError, match=r"measured step peak .* exceeded the plan's prediction .* and "
                                                   r"the budget 64\.0 MiB; with activation costs corrected"):
         engine.train_step(batch)

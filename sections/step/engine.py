@@ -33,6 +33,9 @@ DRY_STEPS = 3  # at most this many steps at build (state restored after) measure
 # Dry steps timed this close to the fastest count as ties, broken by fewer forward runs: one timed run per plan
 # moves by 3-5% on a shared CPU (the notebook ResNet's 0.30 plan flipped between 3 and 4 sections between runs).
 TIME_NOISE = 0.05
+# The least a dry step's spread counts as, a fraction of its peak: with oneDNN off, steps read up to 0.2% (150 KiB
+# on a 76 MiB step) over their dry step's two equal runs (kernel scratch of Eigen's thread pool).
+DRY_NOISE = 0.005
 
 
 class BudgetExceededError(ValueError):
@@ -124,7 +127,7 @@ class Engine(Trainer):
         self._plan_kept = False
         self.fixed_extra = 0  # bytes a dry step measured beside the computed base (what the model leaves out)
         self._refusal: NoPlanFits | None = None
-        self._dry_spread = 0  # the largest difference between a dry step's two runs
+        self._dry_spread = 0  # the most a dry step's repeated runs differed (at least DRY_NOISE of its peak)
         # Variables the loss updates beside the network's state (Keras metrics under fit): dry steps restore them.
         self.dry_state = lambda: ()
 
@@ -312,10 +315,12 @@ class Engine(Trainer):
          self._apply_parts, self._graph_train, self._graph_grads) = state
 
     def _dry_step(self, batch) -> tuple[int, float]:
-        """A step's cycle run twice, not applied; state (batch-norm statistics, seeds, ``dry_state()``) and counters
-        restored after each. The larger peak (the two runs differ, either way by up to 110 MiB on ResNet50 at batch 256:
-        a first run of new functions meets another heap than later ones; steps after build repeat one figure) and the
-        second run's seconds (the first traces).
+        """A step's cycle run unapplied, twice, state (batch-norm statistics, seeds, ``dry_state()``) and counters
+        restored after each: the larger peak and the last run's seconds (the first traces). Where the two runs
+        differ by more than ``DRY_NOISE``, the first is set aside and a third runs: a first run of new functions
+        meets another heap than later ones (on ResNet50 at batch 256 it read 25-110 MiB off, either way), and the
+        steps after build repeat the later runs' figure. What the kept runs differ by (at least ``DRY_NOISE``)
+        is the spread the fit rule leaves.
         The section probe's cached borders are dropped first: training will not hold them (a later plan re-computes
         the ones it needs). Where the update runs in the backward, its parts run too (their temporaries fall
         inside the backward). The state is saved as host arrays (NumPy: outside every device allocator, so the
@@ -326,9 +331,9 @@ class Engine(Trainer):
         applied = self.apply_reason is None
         if applied:
             state += [*self._trainable, *self.optimizer.variables]
-        saved = [np.array(v.value, copy=True) for v in state]
-        peaks = []
-        for _ in range(2):
+        saved = [v.numpy().copy() for v in state]
+        peaks, seconds = [], 0.0
+        while len(peaks) < 2 or (len(peaks) == 2 and _apart(*peaks)):
             start = time.perf_counter()
             _, _, _, step_peak = self._cycle(batch, ready="apply" if applied else "keep")
             seconds = time.perf_counter() - start
@@ -338,8 +343,9 @@ class Engine(Trainer):
                 del value
             peaks.append(max(step_peak.values()))
         self._read_counters()
-        self._dry_spread = max(self._dry_spread, max(peaks) - min(peaks))
-        return max(peaks), seconds
+        kept = peaks[-2:]
+        self._dry_spread = max(self._dry_spread, max(kept) - min(kept), math.ceil(DRY_NOISE * max(kept)))
+        return max(kept), seconds
 
     def _adopt(self, schedule: Schedule) -> None:
         """Sections, counters and compiled functions for a new schedule."""
@@ -637,6 +643,11 @@ def _fastest(runs: list) -> tuple:
     best = min(run[4] for run in runs)
     near = [run for run in runs if run[4] <= best * (1 + TIME_NOISE)]
     return min(near, key=lambda run: (sum(run[0].forward_runs), run[4], run[1]))
+
+
+def _apart(first: int, second: int) -> bool:
+    """Whether two runs of one dry step differ by more than ``DRY_NOISE`` of the larger."""
+    return abs(first - second) > DRY_NOISE * max(first, second)
 
 
 def _reruns(plan) -> bool:
