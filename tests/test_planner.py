@@ -336,6 +336,33 @@ def test_with_ops_in_one_order_a_dry_step_may_fill_the_budget(monkeypatch):
     assert not engine.replans and engine.plan.schedule == plan.schedule
 
 
+@pytest.mark.parametrize("runs_mib,kept_mib,calls", [((100, 100.2), 100.2, 2), ((100, 150, 151), 151, 3),
+                                                     ((150, 100, 101), 101, 3)],
+                         ids=["close", "first-lower", "first-higher"])
+def test_a_dry_step_sets_its_first_run_aside_when_the_first_two_differ(monkeypatch, runs_mib, kept_mib, calls):
+    """Two runs within DRY_NOISE: the larger stands. Apart (a first run of fresh functions meets another heap,
+    either way): the first is set aside, a third runs, and the later two give the figure and the spread (at least
+    DRY_NOISE of the peak)."""
+    from sections.step.engine import DRY_NOISE
+
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
+    batch = make_batch(n=16, size=8, classes=10)
+    engine.build(batch)
+    engine._dry_spread = 0
+    figures = iter(int(m * MiB) for m in runs_mib)
+    seen = []
+
+    def cycle(b, ready="keep"):
+        seen.append(next(figures))
+        return None, [], [], {"CPU:0": seen[-1]}
+
+    monkeypatch.setattr(engine, "_cycle", cycle)
+    peak, _ = engine._dry_step(engine.replicas.split(dict(batch)))
+    kept = [int(m * MiB) for m in runs_mib[-2:]]
+    assert len(seen) == calls and peak == int(kept_mib * MiB)
+    assert engine._dry_spread == max(max(kept) - min(kept), int(np.ceil(DRY_NOISE * max(kept))))
+
+
 @pytest.mark.parametrize("again_mib", [1, 60], ids=["still-fits", "over-now"])
 def test_a_restored_plan_is_dry_run_again_and_its_larger_figure_stands(monkeypatch, again_mib):
     """The fastest plan that fit was not the schedule run last: its functions come back and its dry step runs
