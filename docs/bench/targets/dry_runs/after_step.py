@@ -1,4 +1,5 @@
-"""What a real step leaves that a dry step does not: MobileNetV2 96x96 b32, budget 202 MiB."""
+"""What a real step leaves that a dry step does not: MobileNetV2 96x96 b32, budget BUDGET_MIB (argv[1]).
+``PREALLOC=MIB``: one tensor of that size allocated and freed before the model is built."""
 import os, sys
 sys.path[:0] = ["docs/bench/planner"]
 from sections import allocator
@@ -9,6 +10,9 @@ import keras, numpy as np
 import predictions
 from sections import Engine
 from sections.step.base import _as_tensors
+if os.environ.get("PREALLOC"):
+    _big = tf.zeros([int(os.environ["PREALLOC"]) * 2**18])  # float32: MIB * 2**18 elements
+    del _big
 net, batch = predictions.build("MobileNetV2:96:32")
 e = Engine(net, keras.optimizers.SGD(0.01, momentum=0.9), sections="auto", memory_budget=int(sys.argv[1]) * 2**20)
 e.build(batch)
