@@ -2,7 +2,8 @@
 
 ``--model``: ``resnet`` (the notebook ResNet, 28x28x1, Adam), ``resnet_split`` (the same with
 ``split_blocks=True``: the planner may cut inside residual blocks), or a keras.applications name (96x96x3,
-``weights=None``, SGD with momentum). Jobs: ``whole`` (a plain compiled GradientTape step), ``recompute_grad`` at 2/4/13 sections, the sectioned engine
+``weights=None``, SGD with momentum). Jobs: ``whole`` (a plain compiled GradientTape step), ``recompute_grad`` at 2/4/13 sections,
+``remat`` (the whole step over layers made inside ``keras.RematScope(mode=...)``, ``--remat`` modes), the sectioned engine
 at fixed partitions, and ``sections="auto"`` at fractions of whole's measured peak with lean gradients off and
 on. Each job builds its model in a fresh process (so no job's weights or caches count in another's peak), runs
 ``--steps`` steps and reports the largest step peak (allocator statistics) and the median step time of steps
@@ -31,12 +32,23 @@ RESNET_CUTS = {1: 1, 2: ["scale1"], 4: ["scale1", "scale2", "final_pool"], 13: 1
 _WEIGHT_OPS = {"ReadVariableOp", "Const", "VarHandleOp", "Placeholder", "Shape"}
 
 
-def build(model: str, batch: int):
+def build(model: str, batch: int, remat: str | None = None):
+    """The network, its optimizer and one batch; ``remat``: a ``keras.RematScope`` mode its layers are made in."""
+    import contextlib
+
+    import keras
+
+    keras.utils.set_random_seed(0)
+    scope = keras.RematScope(mode=remat) if remat else contextlib.nullcontext()
+    with scope:
+        return _build(model, batch)
+
+
+def _build(model: str, batch: int):
     import keras
     import numpy as np
     import tensorflow as tf
 
-    keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     if model in ("resnet", "resnet_split"):
         from models import build_resnet
@@ -77,6 +89,14 @@ def largest_working_set(net, data) -> tuple[int, str]:
     return best[0], best[1]  # traced at the real batch
 
 
+def _reason(err: Exception) -> str:
+    """The line of a traced function's error that says what failed (Keras wraps it in traceback and arguments)."""
+    lines = [l.replace("\x1b[1m", "").replace("\x1b[0m", "").strip() for l in str(err).splitlines()]
+    said = [l for l in lines if l and not l.startswith(("File ", "in user code", "Arguments received", "•"))]
+    text = " ".join(said[-2:])
+    return text if text.startswith(type(err).__name__) else f"{type(err).__name__}: {text}"
+
+
 def job(args, kind: str, arg) -> dict:
     from sections import allocator
 
@@ -84,13 +104,13 @@ def job(args, kind: str, arg) -> dict:
     from sections import Engine, RecomputeGrad, WholeGraph
     from sections.backend.structure import nbytes
 
-    net, opt, data = build(args.model, args.batch)
+    net, opt, data = build(args.model, args.batch, remat=arg if kind == "remat" else None)
     cuts = (RESNET_CUTS[int(arg)] if args.model.startswith("resnet") and kind in ("recompute_grad", "sectioned")
             else int(arg) if kind in ("recompute_grad", "sectioned") else None)
     out = {"job": kind, "arg": arg}
     t0 = time.perf_counter()
     try:
-        if kind == "whole":
+        if kind in ("whole", "remat"):
             trainer = WholeGraph(net, opt)
         elif kind == "recompute_grad":
             trainer = RecomputeGrad(net, opt, sections=cuts)
@@ -101,13 +121,22 @@ def job(args, kind: str, arg) -> dict:
             trainer = Engine(net, opt, sections="auto", memory_budget=int(budget), lean=MODES[lean],
                              probe_batch=args.probe_batch, apply=args.apply)
         trainer.build(data)
-    except ValueError as err:
+    except Exception as err:
+        if kind == "remat":
+            return dict(out, error=_reason(err))
+        if not isinstance(err, ValueError):
+            raise
         return dict(out, refused=str(err).splitlines()[0], advised=getattr(err, "advised", None))
     out["build_s"] = time.perf_counter() - t0
     peaks, times = [], []
     for _ in range(args.steps):
         t = time.perf_counter()
-        stats = trainer.train_step(data)
+        try:
+            stats = trainer.train_step(data)
+        except Exception as err:  # keras.RematScope modes that TensorFlow's graph mode cannot run
+            if kind != "remat":
+                raise
+            return dict(out, error=_reason(err))
         times.append(time.perf_counter() - t)
         peaks.append(stats["step_peak_bytes"])
     out.update(peaks=peaks, seconds=statistics.median(times[1:]), sections=len(trainer.sections),
@@ -160,6 +189,7 @@ def main():
     ap.add_argument("--lean-fixed", nargs="?", const="on", default="off",
                     help="lean for the fixed-partition engine jobs: off (absent), on (the flag alone), recompute")
     ap.add_argument("--kinds", default="recompute_grad,sectioned", help="fixed-partition jobs run at each --cuts")
+    ap.add_argument("--remat", default="", help="keras.RematScope modes, each a job: full, activations, larger_than")
     ap.add_argument("--probe-batch", type=int, default=None)
     ap.add_argument("--apply", default="auto", help="the engine jobs' apply: auto, in_backward, at_end")
     ap.add_argument("--out", default="")
@@ -186,6 +216,7 @@ def main():
     results = [whole]
     specs = [("whole", "inter-op")] if args.inter_op else []
     specs += [(k, c) for c in args.cuts.split(",") if c for k in args.kinds.split(",") if k]
+    specs += [("remat", m) for m in args.remat.split(",") if m]
     specs += [("auto", [int(float(f) * wp), lean]) for f in args.budgets.split(",") if f
               for lean in args.lean.split(",")]
     for kind, arg in [("whole", None)] + specs:
