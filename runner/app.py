@@ -45,7 +45,7 @@ def _run(cfg: DictConfig, out: Path, changes: dict) -> float:
     load_tensorflow()
     from runner.platform.threads import set_inter_op_threads
 
-    set_inter_op_threads(cfg.train.inter_op_threads)  # before the runtime starts (the strategy starts it)
+    set_inter_op_threads(cfg.train.inter_op_threads, cfg.engine._target_)  # before the runtime starts (the strategy starts it)
     strategy = distribute.make_strategy(cfg)  # before anything else runs TensorFlow
     from runner.platform.precision import keeping_dtype_policy
     from runner.run.build import build

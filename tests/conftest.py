@@ -18,7 +18,7 @@ def _two_logical_cpus() -> None:
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-        # The runner's default (train.inter_op_threads=1), so runner jobs run inside this process too.
+        # The runner's default for the sectioned engine (train.inter_op_threads=auto: 1), so runner jobs run here too.
         tf.config.threading.set_inter_op_parallelism_threads(1)
     except RuntimeError:  # already initialized (a test process that imported TensorFlow earlier)
         pass

@@ -98,8 +98,10 @@ def _check_train(train: DictConfig) -> None:
         _positive(train, "eval_batch", "train.")
     if train.progress not in PROGRESS:
         raise ConfigError("train.progress", train.progress, f"allowed: {', '.join(PROGRESS)}")
-    if train.inter_op_threads is not None:
-        _positive(train, "inter_op_threads", "train.")
+    if train.inter_op_threads not in (None, "auto"):
+        value = train.inter_op_threads
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError("train.inter_op_threads", value, "allowed: auto, a positive integer, or null")
     if train.precision not in PRECISIONS:
         raise ConfigError("train.precision", train.precision, f"allowed: {', '.join(PRECISIONS)}")
     if not 0 <= train.seed < 2**32:

@@ -74,7 +74,7 @@ class TrainConfig:
     progress: str
     seed: int
     deterministic: bool
-    inter_op_threads: Optional[int]
+    inter_op_threads: Any  # auto, a positive int or null (checks.py)
     verify_exact: bool
     profile_steps: Optional[List[int]]
     precision: str

@@ -74,7 +74,7 @@ class RunRecord:
                  + (f" lr {lr:g}" if isinstance(lr, (int, float)) else "") + f", engine {strategy}"
                  + (f", precision {precision}" if (precision := cfg.train.get("precision", "float32")) != "float32"
                     else ""),
-                 f"device: {device}" + _topology(self.setup),
+                 f"device: {device}" + _topology(self.setup) + f"; {_inter_op_threads()}",
                  _memory_line(self.setup.engine),
                  *([f"data: {self.setup.data.describe()}"] if hasattr(self.setup.data, "describe") else []),
                  table,
@@ -192,6 +192,13 @@ def device_name() -> str:
     except OSError:
         pass
     return f"CPU {cpu}, {os.cpu_count()} cores (no GPU)"
+
+
+def _inter_op_threads() -> str:
+    import tensorflow as tf
+
+    n = tf.config.threading.get_inter_op_parallelism_threads()
+    return f"inter-op threads: {n}" if n else "inter-op threads: TensorFlow's default (one per core)"
 
 
 def _memory_line(engine) -> str:
