@@ -193,6 +193,9 @@ def main():
     ap.add_argument("--probe-batch", type=int, default=None)
     ap.add_argument("--apply", default="auto", help="the engine jobs' apply: auto, in_backward, at_end")
     ap.add_argument("--out", default="")
+    ap.add_argument("--baselines-inter-op", action="store_true",
+                    help="run tf.recompute_grad and RematScope jobs with --inter-op too (default: TensorFlow's threads, "
+                         "as users run them; one thread lets tf.recompute_grad re-run early)")
     ap.add_argument("--inter-op", type=int, default=0,
                     help="TF_NUM_INTEROP_THREADS for every job but the baseline whole (also run with it, as a row)")
     ap.add_argument("--job")
@@ -209,7 +212,8 @@ def main():
     print(f"{args.model} batch {args.batch}: whole {wp / MiB:.0f} MiB, {wt:.2f} s/step; floor of any exact step "
           f"{whole['floor'] / MiB:.0f} MiB ({whole['floor'] / wp:.3f} of whole) = fixed {whole['floor_fixed'] / MiB:.0f} "
           f"+ largest working set {whole['floor_work'] / MiB:.0f} ({whole['floor_where']}); load {os.getloadavg()}"
-          + (f"; jobs below whole with TF_NUM_INTEROP_THREADS={args.inter_op}" if args.inter_op else ""),
+          + (f"; engine jobs below with TF_NUM_INTEROP_THREADS={args.inter_op}"
+             + ("" if args.baselines_inter_op else ", baselines with TensorFlow's threads") if args.inter_op else ""),
           flush=True)
     print("| job | sections | forward runs | predicted MiB | peak MiB (steps) | peak / whole | peak / floor | "
           "within budget | median s | time / whole |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
@@ -220,7 +224,8 @@ def main():
     specs += [("auto", [int(float(f) * wp), lean]) for f in args.budgets.split(",") if f
               for lean in args.lean.split(",")]
     for kind, arg in [("whole", None)] + specs:
-        r = whole if (kind, arg) == ("whole", None) else run(args, kind, arg)
+        baseline = kind in ("recompute_grad", "remat") and not args.baselines_inter_op
+        r = whole if (kind, arg) == ("whole", None) else run(args, kind, arg, default_threads=baseline)
         if kind == "auto":
             r["frac"] = arg[0] / wp
         r["lean_fixed"], r["inter_op"] = args.lean_fixed, args.inter_op
