@@ -121,22 +121,15 @@ def job(args, kind: str, arg) -> dict:
             trainer = Engine(net, opt, sections="auto", memory_budget=int(budget), lean=MODES[lean],
                              probe_batch=args.probe_batch, apply=args.apply)
         trainer.build(data)
-    except Exception as err:
+    except ValueError as err:
         if kind == "remat":
-            return dict(out, error=_reason(err))
-        if not isinstance(err, ValueError):
             raise
         return dict(out, refused=str(err).splitlines()[0], advised=getattr(err, "advised", None))
     out["build_s"] = time.perf_counter() - t0
     peaks, times = [], []
     for _ in range(args.steps):
         t = time.perf_counter()
-        try:
-            stats = trainer.train_step(data)
-        except Exception as err:  # keras.RematScope modes that TensorFlow's graph mode cannot run
-            if kind != "remat":
-                raise
-            return dict(out, error=_reason(err))
+        stats = trainer.train_step(data)
         times.append(time.perf_counter() - t)
         peaks.append(stats["step_peak_bytes"])
     out.update(peaks=peaks, seconds=statistics.median(times[1:]), sections=len(trainer.sections),
@@ -197,13 +190,20 @@ def main():
                     help="run tf.recompute_grad and RematScope jobs with --inter-op too (default: TensorFlow's threads, "
                          "as users run them; one thread lets tf.recompute_grad re-run early)")
     ap.add_argument("--inter-op", type=int, default=0,
-                    help="TF_NUM_INTEROP_THREADS for every job but the baseline whole (also run with it, as a row)")
+                    help="TF_NUM_INTEROP_THREADS for the engine jobs (and the baselines with --baselines-inter-op); whole runs "
+                         "on TensorFlow's threads, and again with it, as a row")
     ap.add_argument("--job")
     args = ap.parse_args()
     args.passthrough = [a for a in sys.argv[1:] if a != "--job"]
     if args.job:
         kind, arg = json.loads(args.job)
-        print("JOB " + json.dumps(job(args, kind, arg)), flush=True)
+        try:
+            result = job(args, kind, arg)
+        except Exception as err:  # keras.RematScope modes that TensorFlow's graph mode cannot run
+            if kind != "remat":
+                raise
+            result = {"job": kind, "arg": arg, "error": _reason(err)}
+        print("JOB " + json.dumps(result), flush=True)
         return
     whole = run(args, "whole", None, default_threads=True)
     if "peaks" not in whole:
