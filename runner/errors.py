@@ -50,6 +50,13 @@ class NonFiniteWeights(NonFiniteLoss):
     """A weight (or other float variable of the network) became NaN or Inf, while the loss may still be finite."""
 
 
+class OutOfMemoryStop(RunnerError):
+    """A step ran out of the device's memory and could not be re-planned: the run stops, nothing of that step
+    saved (checkpoints are those written before it)."""
+
+    exit_code = 4
+
+
 class DiskFull(RunnerError):
     """A write failed for lack of space (or quota): the run stops; what was written before is kept."""
 

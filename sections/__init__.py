@@ -8,6 +8,8 @@ from importlib import import_module
 
 _EXPORTS = {
     "Engine": ".step.engine", "ReplayMismatchError": ".step.engine", "BudgetExceededError": ".step.engine",
+    "OutOfMemory": ".backend.device", "DeviceMemory": ".backend.device", "device_memory": ".backend.device",
+    "device_budget": ".backend.device",
     "SectionedModel": ".step.fit",
     "WholeGraph": ".step.peers", "RecomputeGrad": ".step.peers",
     # Network from its Keras module: importing that sets Network.from_keras (it builds on sections.network.network).

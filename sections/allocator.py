@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import MutableMapping
 
 BFC = "TF_CPU_ALLOCATOR_USE_BFC"
 ONEDNN = "TF_ENABLE_ONEDNN_OPTS"
+LIMIT = "TF_CPU_BFC_MEM_LIMIT_IN_MB"  # the BFC allocator's hard limit: a CPU of fixed memory, as a GPU is
 # What sectionflow sets where the user set nothing: oneDNN on x86 (TensorFlow leaves it off on some x86 CPUs; turning
 # it on halved the default run's step time: BENCHMARKS.md, "CPU allocator"), which brings a CPU allocator that keeps
 # statistics; where oneDNN stays off (the user's choice, or not x86), the BFC allocator, which keeps them too.
@@ -32,11 +34,18 @@ def configure(environ: MutableMapping[str, str] | None = None, tensorflow_loaded
     loaded = "tensorflow" in sys.modules if tensorflow_loaded is None else tensorflow_loaded
     if not loaded:
         chosen = []
-        if env.get(ONEDNN) is None and platform.machine().lower() in ("x86_64", "amd64"):
+        limited = cpu_limit({**env, BFC: env.get(BFC, "true")}) is not None  # a limit, and BFC not refused
+        if env.get(ONEDNN) is None and limited:
+            # A device of fixed memory emulated on the CPU: oneDNN's kernels crash the process (SIGSEGV) when an
+            # allocation past the limit fails (keras.applications EfficientNetB0, a whole step under 473 MiB),
+            # where TensorFlow's own raise ResourceExhaustedError, as on a GPU.
+            env[ONEDNN] = "0"
+            chosen.append(ONEDNN)
+        elif env.get(ONEDNN) is None and platform.machine().lower() in ("x86_64", "amd64"):
             env[ONEDNN] = ONEDNN_ON_X86
             chosen.append(ONEDNN)
         onednn_on = env.get(ONEDNN, "").strip().lower() in ("1", "true")
-        if env.get(BFC) is None and not onednn_on:
+        if env.get(BFC) is None and (not onednn_on or limited):  # the limit is the BFC allocator's
             env[BFC] = BFC_WITHOUT_ONEDNN
             chosen.append(BFC)
         if chosen:
@@ -55,10 +64,41 @@ def describe(environ=None) -> str:
             return f"{key} unset"
         return f"{key}={value}" + (" (set by sectionflow)" if key in ours else " (yours)")
 
-    return f"CPU allocator: {show(BFC)}, {show(ONEDNN)}"
+    limit = f", {show(LIMIT)}" if env.get(LIMIT) is not None else ""
+    return f"CPU allocator: {show(BFC)}, {show(ONEDNN)}{limit}"
 
 
 def missing_statistics_advice() -> str:
     """What to do when the CPU allocator keeps no statistics."""
     return (f"set {BFC}=true in the environment before TensorFlow loads (or import sections.allocator and call "
             f"configure() before importing TensorFlow); {ONEDNN}=1 also gives them")
+
+
+def cpu_limit(environ=None) -> int | None:
+    """The CPU allocator's hard limit in bytes (``TF_CPU_BFC_MEM_LIMIT_IN_MB``, read by the BFC allocator), or None
+    where it is unset or unreadable (an unreadable value is ignored by TensorFlow too)."""
+    env = os.environ if environ is None else environ
+    text = (env.get(LIMIT) or "").strip()
+    if not text.isdigit() or int(text) <= 0:
+        return None
+    if (env.get(BFC) or "").strip().lower() not in ("1", "true"):
+        return None  # only the BFC allocator reads it (oneDNN's own CPU allocator ignores it: measured)
+    return int(text) * 2**20
+
+
+def machine_memory() -> tuple[int | None, str]:
+    """Physical memory, or the container's (cgroup) limit when lower, with which it is; ``(None, why)`` when
+    neither can be read."""
+    found = []
+    try:
+        found.append((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # "max" or a huge number: no limit
+            found.append((int(text), f"the container's limit, {limit}"))
+    return min(found) if found else (None, "neither physical memory nor a cgroup limit could be read")

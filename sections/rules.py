@@ -84,6 +84,36 @@ def parse_bytes(value, key: str = "memory_budget") -> int:
     return int(number * _UNITS[unit])
 
 
+BUDGET_HELP = (f"{SIZE_HELP}, or a fraction of the device's memory: a number in (0, 1] such as 0.8, or a "
+               f"percentage such as 80%")
+
+
+def parse_budget(value, key: str = "memory_budget") -> int | float:
+    """A memory budget: bytes (an int, or a size as ``parse_bytes`` reads it), or a fraction of the device's memory
+    (a float in (0, 1], or a string like ``"80%"``), returned as that float."""
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            percent = float(value.strip()[:-1])
+        except ValueError:
+            percent = math.nan
+        if not 0 < percent <= 100:
+            raise ValueError(f"{key}={value!r}: a percentage of the device's memory must be in (0%, 100%].")
+        return percent / 100
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None and 0 < number <= 1 and not value.strip().isdigit():
+            return number
+    try:
+        return parse_bytes(value, key)
+    except ValueError:
+        raise ValueError(f"{key}={value!r}: must be {BUDGET_HELP}.") from None
+
+
 def check_policy_names(policy, allowed: Sequence[str] = POLICIES) -> None:
     """Policy names must be known; objects (custom policies) pass through."""
     names = [policy] if isinstance(policy, str) else list(policy) if isinstance(policy, (list, tuple)) else [policy]
@@ -108,11 +138,8 @@ def check_sections_arg(sections, memory_budget=None) -> None:
         raise ValueError(f"sections={sections!r}: {allowed}.")
     if isinstance(sections, int) and sections < 1:
         raise ValueError(f"sections={sections}: must be at least 1.")
-    if isinstance(sections, str):
-        if sections != "auto":
-            raise ValueError(f"sections={sections!r}: {allowed}.")
-        if memory_budget is None:
-            raise RuleError("sections='auto' needs memory_budget (bytes or a size like '2GiB').", "auto_needs_budget")
+    if isinstance(sections, str) and sections != "auto":
+        raise ValueError(f"sections={sections!r}: {allowed}.")
     if isinstance(sections, (list, tuple)):
         if not sections or not all(isinstance(n, str) and n for n in sections):
             raise ValueError(f"sections={list(sections)!r}: a list of sections must hold one or more boundary "

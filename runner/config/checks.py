@@ -15,7 +15,11 @@ PROGRESS = ("auto", "bar", "log")
 
 def check_config(cfg: DictConfig) -> None:
     """Raise ConfigError for the first value that cannot work."""
-    _positive(cfg, "batch")
+    if cfg.batch != "max":
+        if isinstance(cfg.batch, str):
+            raise ConfigError("batch", cfg.batch, "must be a positive integer, or max (the largest batch whose step "
+                              "fits the device)")
+        _positive(cfg, "batch")
     check_sections(cfg.sections, cfg.engine.memory_budget)
     _check_engine(cfg.engine)
     _check_train(cfg.train)
@@ -72,8 +76,7 @@ def check_sections(value, memory_budget=None, key: str = "sections") -> None:
         return
     if isinstance(value, ListConfig):
         value = list(value)
-    apply_rule(key, value, rules.check_sections_arg, value, memory_budget, wording={
-        "auto_needs_budget": lambda: "auto needs engine.memory_budget (bytes or a size like 2GiB)"})
+    apply_rule(key, value, rules.check_sections_arg, value, memory_budget)
 
 
 def _check_engine(engine: DictConfig) -> None:
@@ -82,7 +85,7 @@ def _check_engine(engine: DictConfig) -> None:
     policy = list(engine.policy) if isinstance(engine.policy, ListConfig) else engine.policy
     apply_rule("engine.policy", policy, rules.check_policy_names, policy)
     if engine.memory_budget is not None:
-        apply_rule("engine.memory_budget", engine.memory_budget, rules.parse_bytes, engine.memory_budget)
+        apply_rule("engine.memory_budget", engine.memory_budget, rules.parse_budget, engine.memory_budget)
     apply_rule("engine.lean", engine.lean, rules.check_lean, engine.lean)
     apply_rule("engine.apply", engine.apply, rules.check_apply, engine.apply)
 

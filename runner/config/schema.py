@@ -145,7 +145,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distribute: DistributeConfig = field(default_factory=DistributeConfig)
-    batch: int
+    batch: Any  # a positive int, or max (the largest batch that fits: runner/run/batch_max.py)
     sections: Any
     resume: Optional[str]
 

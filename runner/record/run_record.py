@@ -229,7 +229,8 @@ def summary(metrics: dict) -> str:
     if "rerun_flops" in metrics:
         rows.append(("re-run FLOPs", f"{metrics['rerun_flops']:.3g}"))
     if "exact" in metrics:
-        rows.append(("exact", "yes" if metrics["exact"] else "NO"))
+        rows.append(("exact", "not checked (does not fit the device)" if metrics["exact"] is None
+                     else "yes" if metrics["exact"] else "NO"))
     width = max(len(k) for k, _ in rows)
     return "done:\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,8 @@ from runner.errors import ConfigError, apply_rule
 from runner.platform.precision import set_precision, wrap_optimizer
 from sections import rules
 
+log = logging.getLogger("runner")
+
 
 @dataclass
 class Setup:
@@ -19,6 +22,7 @@ class Setup:
     sections: Any  # the resolved `sections` handed to the engine
     probe: dict  # one training batch, from its own iterator, used to build the engine
     strategy: Any = None  # the tf.distribute strategy (None: one device)
+    batch_search: Any = None  # batch=max: its trials (runner/run/batch_max.py)
 
 
 def set_determinism(on: bool) -> None:
@@ -35,9 +39,8 @@ def set_determinism(on: bool) -> None:
 
 
 def build(cfg: DictConfig, strategy=None) -> Setup:
-    """Under a strategy, the network and optimizer are made in its scope and the engine runs on its replicas."""
-    import contextlib
-
+    """Under a strategy, the network and optimizer are made in its scope and the engine runs on its replicas.
+    `batch=max`: the largest batch that fits is searched for first, and `cfg.batch` becomes it."""
     import keras
 
     keras.backend.clear_session()  # also resets the dtype policy: set this run's after it
@@ -46,27 +49,104 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
     set_determinism(cfg.train.deterministic)
 
     data = instantiate(cfg.data, "data")
-    spec = getattr(data.train_batches(cfg.batch, cfg.train.seed), "element_spec", None)  # lazy: nothing allocated
-    _check_batch_fits(cfg, spec)  # the examples alone, before the network exists
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+    searching = cfg.batch == "max"
+    # lazy: nothing allocated
+    spec = getattr(data.train_batches(1 if searching else cfg.batch, cfg.train.seed), "element_spec", None)
+    if not searching:
+        _check_batch_fits(cfg, spec)  # the examples alone, before the network exists
+    with _scope(strategy):
         network = make_network(cfg, data)
-        _check_batch_fits(cfg, spec, network)  # with the blocks' outputs, before the first batch is made
+        if not searching:
+            _check_batch_fits(cfg, spec, network)  # with the blocks' outputs, before the first batch is made
         sections = resolve_sections(cfg)
         check_boundaries(sections, network)
-        optimizer = wrap_optimizer(instantiate(cfg.optimizer, "optimizer"), cfg.train.precision)
+    if searching:
+        return _largest(cfg, data, network, sections, strategy)
+    engine, probe = make_engine(cfg, data, network, sections, strategy, cfg.batch)
+    return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy)
 
-    engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
+
+def _scope(strategy):
+    import contextlib
+
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+
+def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, raw: bool = False):
+    """The engine of `cfg.engine` with a fresh optimizer, built on the first training batch of `batch` examples;
+    returns it and that batch. `raw`: the engine's own errors as raised (else one ConfigError naming sections)."""
     from runner.run.datafeed import next_batch
 
-    probe = next_batch(iter(data.train_batches(cfg.batch, cfg.train.seed)))
+    with _scope(strategy):
+        optimizer = wrap_optimizer(instantiate(cfg.optimizer, "optimizer"), cfg.train.precision)
+    engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
+    probe = next_batch(iter(data.train_batches(batch, cfg.train.seed)))
     try:
         engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections,
                              _convert_="all",  # a plain list of boundary names, not a ListConfig
                              **({"distribute": strategy} if strategy is not None else {}))
         engine.build(probe)
     except ValueError as err:
+        if raw:
+            raise
         raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
-    return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy)
+    return engine, probe
+
+
+def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
+    """`batch=max`: the largest batch whose step fits (runner/run/batch_max.py); `cfg.batch` becomes it."""
+    import sections as engine_lib
+    from runner.run.batch_max import largest_batch
+
+    replicas = strategy.num_replicas_in_sync if strategy is not None else 1
+    budget, source = engine_lib.device_budget(cfg.engine.memory_budget)
+    cap = getattr(data, "train_size", None)
+    base = {}
+
+    def try_batch(batch: int):
+        try:
+            engine, probe = make_engine(cfg, data, network, sections, strategy, batch, raw=True)
+        except ValueError as err:
+            smallest = getattr(err, "smallest", None)
+            if smallest is None:
+                raise ConfigError("sections", sections, str(err)) from err
+            return False, smallest or None, "no plan fits", None
+        except engine_lib.OutOfMemory as err:
+            return False, err.in_use + (err.requested or 0), "out of memory while planning", None
+        base.setdefault("bytes", engine.meter.current())
+        if engine.plan is not None:  # sections=auto: its dry steps ran the plan under the budget
+            return True, engine.plan.predicted_peak, "", (engine, probe)
+        fits, peak, why = _one_step_fits(engine, probe, budget)
+        return fits, peak, why, (engine, probe) if fits else None
+
+    (batch, kept), search = largest_batch(try_batch, replicas, cap, budget, base.get("bytes", 0))
+    if batch is None:
+        raise ConfigError("batch", "max", f"not even {replicas} example(s) fit the device's budget "
+                          f"{rules.human_bytes(budget)} ({source}): {search.describe()}")
+    cfg.batch = batch
+    engine, probe = kept
+    log.info(f"batch=max: {batch} (trials: {search.describe()}; budget {rules.human_bytes(budget)}, "
+             f"{source})")
+    return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batch_search=search)
+
+
+def _one_step_fits(engine, probe, budget: int):
+    """One step of a fixed engine at this batch, every variable restored after: does it run, within `budget`?"""
+    import sections as engine_lib
+
+    state = [*engine.network.variables, *engine.optimizer.variables]
+    saved = [v.numpy().copy() for v in state]
+    try:
+        stats = engine.train_step(probe)
+    except engine_lib.OutOfMemory as err:
+        return False, err.in_use + (err.requested or 0), "out of memory"
+    finally:
+        for v, value in zip(state, saved):
+            v.assign(value)
+    peak = stats["step_peak_bytes"]
+    if peak is not None and peak > budget:
+        return False, peak, f"its step read {rules.human_bytes(peak)}, over the budget"
+    return True, peak, ""
 
 
 def make_network(cfg: DictConfig, data):
@@ -83,7 +163,9 @@ def _check_batch_fits(cfg: DictConfig, spec, network=None) -> None:
     from runner.platform.sizes import activation_bytes, check_batch_fits
 
     if isinstance(spec, dict):
-        check_batch_fits(cfg.batch, spec, activation_bytes(network, spec) if network is not None else None)
+        whole = cfg.engine._target_ == "sections.WholeGraph"  # others hold one block's border pair at least
+        check_batch_fits(cfg.batch, spec, activation_bytes(network, spec, whole) if network is not None else None,
+                         outputs="block outputs" if whole else "the largest block's input and output")
 
 
 def resolve_sections(cfg: DictConfig):

@@ -12,7 +12,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from runner.errors import ConfigError, RunnerError
+from runner.errors import ConfigError, OutOfMemoryStop, RunnerError
 from runner.run.build import Setup
 from runner.run.hooks import (Checkpointing, Evaluation, FiniteStop, Hooks, Profiler, ProgressHook, SignalStop,
                               Telemetry)
@@ -90,7 +90,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
 
 def _loop(engine, batches, hooks: Hooks, start: int, steps: int) -> int:
     """Steps `start + 1 .. steps`, the hooks around each; returns the last step run."""
-    from sections import BudgetExceededError, ReplayMismatchError
+    from sections import BudgetExceededError, OutOfMemory, ReplayMismatchError
 
     from runner.run import datafeed
 
@@ -105,17 +105,43 @@ def _loop(engine, batches, hooks: Hooks, start: int, steps: int) -> int:
                 stats = engine.train_step(batch)
             except (ReplayMismatchError, BudgetExceededError) as err:
                 raise RunnerError(f"step {step}: {err}") from err
+            except OutOfMemory as err:
+                raise OutOfMemoryStop(f"step {step}: {err}; {what_would_fit(engine)}; {_saved(step)}") from None
             hooks.on_step_end(step, stats, time.perf_counter() - began)
     finally:
         hooks.on_train_end()
     return step
 
 
+def what_would_fit(engine) -> str:
+    """The advice an out-of-memory stop gives: the planner where it did not choose, else a smaller batch."""
+    if getattr(engine, "plan", None) is None:
+        return ("would fit: sections=auto (plans the sections to the device's memory) or batch=max (the largest "
+                "batch whose plan fits)")
+    return f"the planner's smallest plan did not fit at this batch: batch=max finds the largest that does"
+
+
+def _saved(step: int) -> str:
+    return f"nothing of step {step} was saved"
+
+
 def verify_exact(engine, batch, examples: int = 64) -> dict:
     """Does one step of this engine equal one ordinary whole-graph step? (State is restored afterwards.)"""
-    from sections import compare_with_whole
+    from sections import OutOfMemory, compare_with_whole
 
-    report = compare_with_whole(engine, batch, examples=examples)
+    least = getattr(getattr(engine, "replicas", None), "count", 1)
+    while True:
+        try:
+            report = compare_with_whole(engine, batch, examples=examples)
+            break
+        except OutOfMemory as err:
+            if examples // 2 < least:
+                log.warning(f"exactness: NOT CHECKED: even {examples} examples' whole-graph step does not fit "
+                            f"the device ({err})")
+                return {"exact": None, "exact_not_checked": str(err)}
+            log.warning(f"exactness: the check on {examples} examples ran out of device memory; "
+                        f"checking {examples // 2}")
+            examples //= 2
     errors = (report["gradient_rel_error"], report["state_max_abs_diff"])
     exact = bool(report["exact"]) and all(math.isfinite(e) for e in errors)  # NaN gradients equal nothing
     verdict = "equals" if exact else "DIFFERS FROM"

@@ -5,12 +5,14 @@ would."""
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 
 import keras
 import tensorflow as tf
 
+from ..schedule.planner import DOES_NOT_FIT
 from .lean import lean_scope
 from .memory import MemoryMeter
 from .relaxed import RelaxedFunction
@@ -136,13 +138,20 @@ class SectionProbe:
             return tape.gradient(ys, xs + variables, output_gradients=[tf.ones_like(y) for y in ys])
 
         fn = RelaxedFunction(train, batch_args=(0,))
-        h = self.border(start)
-        snapshot = [tf.identity(v.value) for v in state]
-        fn(self.pb, h, snapshot)  # tracing and kernel set-up
-        used = [_measure(self.meter, fn, self.pb, h, snapshot) for _ in range(self.RUNS)]
-        # The gradient arriving at the output is the caller's (the planner counts it as held), except at the
-        # end of the chain, where it stands for the loss's gradient on the logits.
-        upstream = 0 if last else nbytes(self.border(stop))
+        try:
+            h = self.border(start)
+            snapshot = [tf.identity(v.value) for v in state]
+            fn(self.pb, h, snapshot)  # tracing and kernel set-up
+            used = [_measure(self.meter, fn, self.pb, h, snapshot) for _ in range(self.RUNS)]
+            # The gradient arriving at the output is the caller's (the planner counts it as held), except at the
+            # end of the chain, where it stands for the loss's gradient on the logits.
+            upstream = 0 if last else nbytes(self.border(stop))
+        except tf.errors.ResourceExhaustedError as err:  # the device has no memory for it: no plan runs it
+            err.__traceback__ = None
+            h = snapshot = None
+            gc.collect()
+            self.measured[(start, stop)], self.spread[(start, stop)] = DOES_NOT_FIT, 0
+            return
         scale = self.real / self.pb
         self.measured[(start, stop)] = int(max(max(used) - upstream, 0) * scale)
         self.spread[(start, stop)] = int((max(used) - min(used)) * scale)

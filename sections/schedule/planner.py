@@ -202,6 +202,9 @@ def _to_schedule(choices: list, n: int) -> Schedule:
     return Schedule(tuple(cuts), policies, actions)
 
 
+DOES_NOT_FIT = 2**50  # what a measurement reads for a section the device had no memory to run: more than any budget
+
+
 class NoPlanFits(ValueError):
     """No schedule's predicted peak fits the budget. ``smallest``: the smallest predicted peak reachable;
     ``plan``: the schedule that reaches it; ``advised``: the smallest budget that fits it (margin and spread)."""
@@ -309,7 +312,9 @@ def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: 
     margin = options.pop("margin", 0.1)
     refusals, error = 0, None
     for _ in range(max_rounds):
-        ratios = sorted(measured[k] / max(1, chain.estimate(*k)) for k in measured) or [1.0]
+        # A section the device had no memory to measure (``DOES_NOT_FIT``) says nothing about the others' costs.
+        ratios = sorted(measured[k] / max(1, chain.estimate(*k)) for k in measured
+                        if measured[k] < DOES_NOT_FIT) or [1.0]
         # Refused twice: the schedules near the floor have many small sections, and measuring each round's new
         # ones would not end soon; the rest are estimated by the largest ratio seen, so the advice errs high.
         calibration = ratios[-1] if refusals >= 2 else ratios[len(ratios) // 2]

@@ -7,6 +7,7 @@ from typing import Mapping, Sequence
 import tensorflow as tf
 
 from .. import rules
+from ..backend.device import OutOfMemory, device_memory, held_outside, resolve_budget
 from ..backend.memory import MemoryMeter
 from ..backend.precision import unscale
 from ..backend.profile import SPEC_BATCH, output_specs, probe_slice, shape_costs
@@ -32,7 +33,8 @@ class Trainer:
         if isinstance(sections, tuple):
             sections = list(sections)
         rules.check_sections_arg(sections, memory_budget)
-        self.memory_budget = rules.parse_bytes(memory_budget) if memory_budget is not None else None
+        if memory_budget is not None:
+            rules.parse_budget(memory_budget)  # its shape, before anything is measured
         if isinstance(sections, int):
             rules.check_section_count(sections, len(network.blocks), network.block_names)
         self.network = network
@@ -42,6 +44,13 @@ class Trainer:
         self.probe_batch = probe_batch
         self.replicas = Replicas(distribute)
         self.meter = MemoryMeter(device or self.replicas.devices() or None)
+        #: The device's memory: what a budget of None or a fraction reads, and what an out-of-memory stop names.
+        self.device_memory = device_memory(self.meter.device)
+        #: The budget in bytes, and how it was reached (given; the device's memory less headroom; a fraction of it).
+        self.memory_budget, self.budget_source = None, None
+        if sections == "auto" or memory_budget is not None:
+            self.memory_budget, self.budget_source = resolve_budget(memory_budget, self.device_memory,
+                                                                    held_outside(self.meter))
         self._sections_arg = sections
         self._starts = network.boundary_starts(sections) if isinstance(sections, list) else None
         self.sections: list[Section] = []
@@ -116,7 +125,10 @@ class Trainer:
         replica device's, and ``device_peak_bytes`` has each device's)."""
         batch = _as_tensors(self.network, batch)
         self.build(batch)
-        return self._step(self.replicas.split(dict(batch)))
+        try:
+            return self._step(self.replicas.split(dict(batch)))
+        except tf.errors.ResourceExhaustedError as err:
+            raise OutOfMemory.from_error(err, self.meter, self.device_memory) from None
 
     def gradients(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, list]:
         """Loss and gradients (aligned with ``network.trainable_variables``; None where a variable gets none),

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import rules
+from ..backend.device import OutOfMemory, release, requested_bytes
 from ..backend.profile import SectionProbe, gradient_bytes, probe_slice, profile_blocks
 from ..backend.lean import lean_scope
 from ..backend.memory import one_op_order
@@ -26,7 +27,7 @@ from .base import Trainer, _as_tensors, add_gradients
 from .compile import ReplayMismatchError, SectionFunctions
 from .update import assign_in_place, why_at_end
 
-__all__ = ["Engine", "ReplayMismatchError", "BudgetExceededError"]
+__all__ = ["Engine", "ReplayMismatchError", "BudgetExceededError", "OutOfMemory"]
 log = logging.getLogger("sections")
 MAX_REPLANS = 3  # corrections of the cost model by measured steps before a step over the budget stops
 DRY_STEPS = 3  # at most this many steps at build (state restored after) measure what a plan's prediction leaves out
@@ -143,9 +144,7 @@ class Engine(Trainer):
                                  f"{', '.join(self.meter.devices)} keeps no statistics: "
                                  f"{missing_statistics_advice()}.")
             real = self._probe[1]
-            small, _ = probe_slice(self.network, batch, self.probe_batch or real)
-            with lean_scope(self.lean):  # the blocks measured as the sections will run them
-                self.profiles = profile_blocks(self.network, small, real, self.meter)
+            small, self.profiles = self._profile(batch, self.probe_batch or real, real)
             self.section_probe = SectionProbe(self.network, small, real, self.meter)
             try:
                 self.plan = self._plan()
@@ -157,6 +156,26 @@ class Engine(Trainer):
             schedule = Schedule(tuple(starts), tuple(self._policies))
         self.schedule = schedule
         return list(schedule.starts), [p.name for p in schedule.policies]
+
+    def _profile(self, batch, probe: int, real: int):
+        """The per-block probe at ``probe`` examples; where the device has no memory for it, at half as many (down
+        to one), its figures scaled to the real batch. Returns the probe slice and the profiles."""
+        while True:
+            small, _ = probe_slice(self.network, batch, probe)
+            try:
+                with lean_scope(self.lean):  # the blocks measured as the sections will run them
+                    return small, profile_blocks(self.network, small, real, self.meter)
+            except tf.errors.ResourceExhaustedError as err:
+                release(err)
+                if probe == 1:
+                    raise NoPlanFits(f"memory_budget={rules.human_bytes(self.memory_budget)} "
+                                     f"({self.budget_source}): one block's probe of one example ran out of the "
+                                     f"device's memory ({self.device_memory.describe()}); no plan can fit.",
+                                     0, None, 0) from None
+                log.warning(f"the block probe at {probe} examples ran out of device memory; probing "
+                            f"{probe // 2} and scaling to {real}")
+                self.probe_batch = probe = probe // 2
+                del small
 
     def _plan(self, scale: float = 1.0, margin: float | None = None):
         probe = self.section_probe
@@ -238,7 +257,8 @@ class Engine(Trainer):
                 f"a plan runs when its dry step plus the {rules.human_bytes(self._spread())} by which identical runs "
                 f"may differ is within the budget and the dry step within {1 - plan.margin / 2:.0%} of it")
         self._refusal = NoPlanFits(
-            f"memory_budget={rules.human_bytes(self.memory_budget)} ({self.memory_budget} bytes): no partition "
+            f"memory_budget={rules.human_bytes(self.memory_budget)} ({self.memory_budget} bytes"
+            f"{'' if self.budget_source == 'given' else '; ' + self.budget_source}): no partition "
             f"fits; the smallest plan's dry step (run at build, its state restored) measured "
             f"{rules.human_bytes(measured)} "
             f"({measured} bytes); {rule}, and another run's dry step may read "
@@ -287,10 +307,7 @@ class Engine(Trainer):
             return
         self.plan = bold
         self._adopt(bold.schedule)
-        try:
-            measured, seconds = self._dry_step(batch)
-        except tf.errors.ResourceExhaustedError:
-            return
+        measured, seconds = self._dry_step(batch)
         runs.append((bold, measured, measured - (bold.predicted_peak - bold.extra_bytes), self._compiled(), seconds))
 
     def _run_spread(self) -> int:
@@ -357,17 +374,33 @@ class Engine(Trainer):
         peaks, seconds = [], 0.0
         while len(peaks) < 2 or (len(peaks) == 2 and _apart(*peaks)):
             start = time.perf_counter()
-            _, _, _, step_peak = self._cycle(batch, ready="apply" if applied else "keep")
+            try:
+                _, _, _, step_peak = self._cycle(batch, ready="apply" if applied else "keep")
+            except tf.errors.ResourceExhaustedError as err:
+                # The device has no memory for this plan: it reads as at least what was in use when the request
+                # failed plus the request, and over the budget (a fragmented heap fails below its limit).
+                request, _ = requested_bytes(err)
+                release(err)
+                failed = max(self.meter.peak() + (request or 0), self.memory_budget + 1)
+                self._restore_state(state, saved)
+                self._read_counters()
+                log.info(f"a dry step of {_sections(self.plan)} ran out of device memory (at least "
+                         f"{rules.human_bytes(failed)}): it does not fit")
+                return failed, math.inf
             seconds = time.perf_counter() - start
-            for v, value in zip(state, saved):
-                value = tf.convert_to_tensor(value, v.dtype)
-                v.assign(value)  # held here: TensorFlow copies it into the variable's buffer instead of adopting it
-                del value
+            self._restore_state(state, saved)
             peaks.append(max(step_peak.values()))
         self._read_counters()
         kept = peaks[-2:]
         self._dry_spread = max(self._dry_spread, max(kept) - min(kept), math.ceil(DRY_NOISE * max(kept)))
         return max(kept), seconds
+
+    @staticmethod
+    def _restore_state(state: list, saved: list) -> None:
+        for v, value in zip(state, saved):
+            value = tf.convert_to_tensor(value, v.dtype)
+            v.assign(value)  # held here: TensorFlow copies it into the variable's buffer instead of adopting it
+            del value
 
     def _adopt(self, schedule: Schedule) -> None:
         """Sections, counters and compiled functions for a new schedule."""
@@ -427,6 +460,41 @@ class Engine(Trainer):
 
     # ------------------------------------------------------------------ the step
     def _step(self, batch) -> dict:
+        """One step. With ``sections="auto"`` on a device of fixed memory, a step that runs out of memory is
+        re-planned below what it reached (dry steps, as at build) and run again from the state before it (saved
+        on the host each step), so its loss is an uninterrupted run's; anywhere else it raises ``OutOfMemory``."""
+        if not (self.plan is not None and self.device_memory.hard and not self.replicas.distributed):
+            return self._run_step(batch)
+        state = [*self.network.variables, *self.dry_state(), *self.optimizer.variables]
+        saved = [v.numpy().copy() for v in state]
+        for attempt in range(MAX_REPLANS + 1):
+            try:
+                return self._run_step(batch)
+            except tf.errors.ResourceExhaustedError as failed:
+                err = OutOfMemory.from_error(failed, self.meter, self.device_memory)
+                del failed
+                self._restore_state(state, saved)
+                self._read_counters()
+                if attempt == MAX_REPLANS:
+                    raise
+                self._replan_below(err, batch)
+        raise AssertionError("unreachable")
+
+    def _replan_below(self, err: "OutOfMemory", batch) -> None:
+        """After a step ran out of memory: where it failed below the budget (the allocator's chunks), the budget
+        comes down to what was in use then; the plan is dry-run again and re-planned from there."""
+        hb = rules.human_bytes
+        if err.in_use + (err.requested or 0) <= self.memory_budget:
+            self.memory_budget = max(1, int(err.in_use * (1 - DRY_NOISE)))
+        self._log_replan(f"a step ran out of device memory ({err}); re-planning under "
+                         f"{hb(self.memory_budget)} and running the step again from the state before it")
+        self._calibrate(batch)
+        if self._refusal is not None:
+            refusal, self._refusal = self._refusal, None
+            raise OutOfMemory(f"{err}; no plan fits below it: {refusal}", err.device, err.requested,
+                              err.shape, err.in_use) from None
+
+    def _run_step(self, batch) -> dict:
         if self.one_graph:
             self.meter.reset()
             loss = self._graph_train(local_size(batch, self.replicas), batch)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from ..backend.device import OutOfMemory
 from ..backend.precision import ROUNDING, compute_dtype, loss_scale, tolerance, unscale
 from ..backend.replicas import scale_for_replicas
 
@@ -34,7 +35,8 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | N
     variable's norm as at least its share of the whole gradient's (a bias before batch norm, whose true
     gradient is zero, holds only rounding noise). State (batch-norm statistics, seed generators) must match
     elementwise. Non-finite values are never a match. ``examples`` slices the batch so the whole-graph step
-    fits in memory (``None``: all of it). Model and optimizer state are restored afterwards. Under a strategy
+    fits in memory (``None``: all of it); where the device has no memory for either step, ``OutOfMemory`` is
+    raised with the state restored. Model and optimizer state are restored afterwards. Under a strategy
     the whole-graph step runs under it too. With a ``LossScaleOptimizer`` both sides differentiate the scaled
     loss and unscale, as a step does.
 
@@ -56,17 +58,24 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | N
         for v, value in zip(variables, saved):
             v.assign(value)
 
-    _, ours = engine.gradients(batch)
-    ours = _dense(ours)
-    our_state = [v.numpy() for v in network.non_trainable_variables]
-    restore()
-    whole = _whole_gradients(network, engine.replicas, _scaler(engine.optimizer))
-    theirs = _dense(unscale(whole(batch), engine.optimizer))
-    their_state = [v.numpy() for v in network.non_trainable_variables]
-    restore()
-    _perturb(network.trainable_variables, ROUNDING.get(dtype, ROUNDING["float32"]))
-    nudged = _dense(unscale(whole(batch), engine.optimizer))
-    restore()
+    try:
+        _, ours = engine.gradients(batch)
+        ours = _dense(ours)
+        our_state = [v.numpy() for v in network.non_trainable_variables]
+        restore()
+        whole = _whole_gradients(network, engine.replicas, _scaler(engine.optimizer))
+        theirs = _dense(unscale(whole(batch), engine.optimizer))
+        their_state = [v.numpy() for v in network.non_trainable_variables]
+        restore()
+        _perturb(network.trainable_variables, ROUNDING.get(dtype, ROUNDING["float32"]))
+        nudged = _dense(unscale(whole(batch), engine.optimizer))
+        restore()
+    except tf.errors.ResourceExhaustedError as err:  # the whole step (or the trainer's) at this many examples
+        failed = OutOfMemory.from_error(err, engine.meter, engine.device_memory)
+        del err
+        restore()
+        engine._read_counters()
+        raise failed from None
 
     missing = [v.path for v, a, b in zip(network.trainable_variables, ours, theirs) if (a is None) != (b is None)]
     error = float("inf") if missing else _distance(ours, theirs)

@@ -1,0 +1,157 @@
+"""The device's memory (what a plan may use when no budget is given) and what an out-of-memory error says."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from .. import rules
+from ..allocator import LIMIT, cpu_limit, machine_memory
+
+# What a plan to the whole device leaves free: the allocator's chunking (a request can fail with this much free in
+# pieces) and a later process's other op order. Measured on this project's CPU emulation of a fixed device: see
+# BENCHMARKS.md, "Fitting the device".
+HEADROOM = 0.05
+_DTYPE_BYTES = {"float": 4, "double": 8, "half": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2,
+                "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "bool": 1, "complex64": 8, "complex128": 16}
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """How much memory a device has for TensorFlow, and where that figure came from.
+
+    ``hard``: an allocation past it raises ``ResourceExhaustedError`` (a GPU, a CPU allocator with
+    ``TF_CPU_BFC_MEM_LIMIT_IN_MB``); on a CPU without one the process swaps or is killed instead.
+    """
+
+    device: str
+    total: int | None
+    source: str
+    hard: bool
+
+    def describe(self) -> str:
+        if self.total is None:
+            return f"{self.device}: unknown ({self.source})"
+        return f"{self.device}: {rules.human_bytes(self.total)} ({self.source})"
+
+
+def device_memory(device: str) -> DeviceMemory:
+    """The memory of ``device`` (``"GPU:0"``, ``"CPU:0"``): on a GPU a memory limit set with
+    ``tf.config.set_logical_device_configuration`` where there is one, else the card's memory (``nvidia-smi``);
+    on the CPU the allocator's ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` where set, else physical memory or the cgroup
+    limit."""
+    if device.upper().startswith("GPU"):
+        return _gpu_memory(device)
+    limit = cpu_limit()
+    if limit is not None:
+        return DeviceMemory(device, limit, f"{LIMIT}={limit // 2**20}", hard=True)
+    total, source = machine_memory()
+    return DeviceMemory(device, total, source, hard=False)
+
+
+def _gpu_memory(device: str) -> DeviceMemory:
+    index = int(device.split(":")[-1] or 0)
+    gpus = tf.config.list_physical_devices("GPU")
+    if index < len(gpus):
+        try:
+            configs = tf.config.get_logical_device_configuration(gpus[index]) or []
+        except (ValueError, RuntimeError):
+            configs = []
+        limits = [c.memory_limit for c in configs if getattr(c, "memory_limit", None)]
+        if limits:
+            return DeviceMemory(device, int(limits[0]) * 2**20, "the memory limit set with "
+                                "tf.config.set_logical_device_configuration", hard=True)
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+        total = int(out.stdout.strip().splitlines()[0]) * 2**20 if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        total = None
+    if total is None:
+        return DeviceMemory(device, None, "nvidia-smi could not be read", hard=True)
+    return DeviceMemory(device, total, "nvidia-smi memory.total", hard=True)
+
+
+def resolve_budget(value, memory: DeviceMemory, held: int = 0) -> tuple[int, str]:
+    """A budget in bytes and a line saying how it was reached. ``value``: bytes or a size (as given), a fraction
+    of the device (``rules.parse_budget``), or None: the device's memory less ``HEADROOM`` and, on a CPU without
+    an allocator limit, ``held`` (what the process holds outside TensorFlow's allocator, which no step reading
+    counts)."""
+    parsed = None if value is None else rules.parse_budget(value)
+    if isinstance(parsed, int):
+        return parsed, "given"
+    if memory.total is None:
+        raise rules.RuleError(
+            f"memory_budget={'None' if value is None else value!r}: the memory of {memory.device} is unknown "
+            f"({memory.source}); give memory_budget in bytes or a size like '2GiB'.", "unknown_device_memory")
+    total = memory.total - (0 if memory.hard else held)
+    if parsed is None:
+        budget = int(total * (1 - HEADROOM))
+        held_note = f" less {rules.human_bytes(held)} the process holds outside TensorFlow" if (
+            held and not memory.hard) else ""
+        return budget, f"the device's memory, {memory.describe()}{held_note}, less {HEADROOM:.0%} headroom"
+    return int(total * parsed), f"{parsed:g} of the device's memory, {memory.describe()}"
+
+
+def device_budget(value=None, device: str | None = None) -> tuple[int, str]:
+    """``resolve_budget`` for ``device`` (default: ``GPU:0`` where there is one, else ``CPU:0``)."""
+    device = device or ("GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0")
+    return resolve_budget(value, device_memory(device))
+
+
+def held_outside(meter) -> int:
+    """Bytes this process holds outside TensorFlow's allocator (resident memory less what the allocator holds):
+    on a CPU without an allocator limit they share the machine's memory with the steps."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0
+    return max(0, resident - meter.current())
+
+
+class OutOfMemory(RuntimeError):
+    """A step ran out of the device's memory: which device, what the failing allocation asked for (bytes and
+    shape, where TensorFlow's message names them) and what was in use when it failed."""
+
+    def __init__(self, message: str, device: DeviceMemory, requested: int | None, shape: str, in_use: int):
+        super().__init__(message)
+        self.device, self.requested, self.shape, self.in_use = device, requested, shape, in_use
+
+    @classmethod
+    def from_error(cls, err: BaseException, meter, memory: DeviceMemory) -> "OutOfMemory":
+        """From TensorFlow's ``ResourceExhaustedError``; frees what the failed step held (``release``)."""
+        requested, shape = requested_bytes(err)
+        release(err)
+        in_use = meter.peak() if meter.available else 0
+        hb = rules.human_bytes
+        asked = f"{hb(requested)} ({shape})" if requested is not None else "an allocation TensorFlow did not size"
+        used = f" with {hb(in_use)} in use" if meter.available else ""
+        return cls(f"out of memory on {memory.describe()}: the failing allocation asked for {asked}{used}",
+                   memory, requested, shape, in_use)
+
+
+def requested_bytes(err: BaseException) -> tuple[int | None, str]:
+    """What the failing allocation asked for, from TensorFlow's message (``OOM when allocating tensor with
+    shape[96,64,64,3] and type float``): bytes and the shape as text; ``(None, "")`` where the message names
+    no tensor."""
+    m = re.search(r"shape\s*\[([0-9,\s]*)\]\s*and type\s+(\w+)", str(err))
+    if not m:
+        return None, ""
+    dims = [int(d) for d in m.group(1).replace(" ", "").split(",") if d]
+    size = _DTYPE_BYTES.get(m.group(2))
+    shape = f"[{','.join(map(str, dims))}] {m.group(2)}"
+    return (math.prod(dims) * size if size else None), shape
+
+
+def release(err: BaseException | None = None) -> None:
+    """Free what a failed step held: its traceback's frames keep the step's tensors alive until collected."""
+    if err is not None:
+        err.__traceback__ = None
+    gc.collect()

@@ -1,0 +1,109 @@
+"""Cases run in a child process on an emulated device of fixed memory (TF_CPU_BFC_MEM_LIMIT_IN_MB is read when
+TensorFlow loads). `python tests/device_worker.py CASE` prints one JSON line.
+
+- `recover`: `sections="auto"` trains 5 steps twice from the same start, the second time with an allocation far
+  past the device injected into the third step's forward; prints both runs' losses and the re-plans.
+- `fit`: a Keras model under plain `fit` and wrapped in `SectionedModel(model, sections="auto")`, one epoch
+  each; prints how each ended and the wrapped run's step peaks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from sections.allocator import configure
+
+configure()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import sections  # noqa: E402
+
+
+class Injector(keras.layers.Layer):
+    """The identity; while `armed` holds 1, its next call disarms it and then asks for 8 GiB (out of memory)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.armed = tf.Variable(0, trainable=False, dtype=tf.int32)  # a plain variable: no state a step restores
+
+    def call(self, x):
+        def blow_up():
+            with tf.control_dependencies([self.armed.assign(0)]):
+                return tf.reduce_sum(tf.ones([2**31], tf.float32)) * 0.0
+
+        extra = tf.cond(self.armed > 0, blow_up, lambda: tf.constant(0.0))
+        return x + tf.cast(extra, x.dtype)
+
+
+def conv_model(injector=None, size=32, width=32, depth=6, classes=10):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((size, size, 3))
+    h = keras.layers.Conv2D(width, 3, padding="same", name="stem")(inputs)
+    for i in range(depth):
+        h = keras.layers.Conv2D(width, 3, padding="same", name=f"conv{i}")(h)
+        h = keras.layers.BatchNormalization(name=f"bn{i}")(h)
+        h = keras.layers.ReLU(name=f"relu{i}")(h)
+        if injector is not None and i == depth // 2:
+            h = injector(h)
+    h = keras.layers.GlobalAveragePooling2D(name="pool")(h)
+    outputs = keras.layers.Dense(classes, name="head")(h)
+    return keras.Model(inputs, outputs)
+
+
+def data(n, size=32, classes=10):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, classes, n).astype("int32")
+
+
+def recover(batch=128, steps=5) -> dict:
+    x, y = data(batch * steps)
+    losses, replans = {}, {}
+    for name in ("uninterrupted", "injected"):
+        injector = Injector(name="injector")
+        xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        network = sections.from_keras(conv_model(injector), loss=lambda out, b: xent(b["label"], out),
+                                      inputs="image", loss_fields=["label"])
+        engine = sections.Engine(network, keras.optimizers.Adam(1e-3), sections="auto")
+        run = []
+        for step in range(steps):
+            if name == "injected" and step == 2:
+                injector.armed.assign(1)
+            stats = engine.train_step({"image": x[step * batch:(step + 1) * batch],
+                                       "label": y[step * batch:(step + 1) * batch]})
+            run.append(float(stats["loss"]))
+        losses[name], replans[name] = run, list(engine.replans)
+        budget = engine.memory_budget
+    return {"losses": losses, "replans": replans, "budget": budget}
+
+
+def fit(batch=256) -> dict:
+    x, y = data(batch * 2)
+    out = {}
+    model = conv_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    try:
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+        out["plain"] = "trained"
+    except tf.errors.ResourceExhaustedError:
+        out["plain"] = "out of memory"
+    del model
+    keras.backend.clear_session()
+    import gc
+
+    gc.collect()
+    model = conv_model()
+    wrapped = sections.SectionedModel(model, sections="auto")
+    wrapped.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    history = wrapped.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+    out["sectioned"] = "trained"
+    out["sectioned_loss"] = [float(v) for v in history.history["loss"]]
+    out["sectioned_sections"] = len(wrapped.engine.sections)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps({"recover": recover, "fit": fit}[sys.argv[1]]()))

@@ -1,0 +1,163 @@
+"""Fitting a device of fixed memory: the budget read from the device, out-of-memory messages, `batch=max`'s search,
+and (in child processes with TF_CPU_BFC_MEM_LIMIT_IN_MB, a CPU allocator with a hard limit as a GPU has) whole
+steps that run out of memory in one line, `sections=auto` with no budget, `batch=max`, `SectionedModel` where
+plain `fit` runs out, and a step that ran out recovered with the losses of a run that did not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.run.batch_max import largest_batch
+from sections import rules
+from sections.allocator import BFC, LIMIT, ONEDNN, configure, cpu_limit, describe
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {k: v for k, v in os.environ.items() if k not in (BFC, ONEDNN, LIMIT, "SECTIONFLOW_ALLOCATOR_SET")}
+ENV.update(TF_CPP_MIN_LOG_LEVEL="2", HYDRA_FULL_ERROR="")
+# The notebook ResNet on synthetic 32x32 images: at batch 512 a whole step holds 607 MiB, 4 sections 285 MiB.
+RESNET = ["model=resnet", "model.widths=[16,32,64]", "model.depths=[2,2,2]", "data=synthetic",
+          "data.image_shape=[32,32,3]", "data.train_size=2048", "train.log_every=1", "train.progress=log",
+          "train.verify_exact=false", "train.eval_every=0", "train.save_model=false"]
+
+
+def on_device(mib: int, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**ENV, LIMIT: str(mib)}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------- plain rules
+@pytest.mark.parametrize("value, parsed", [
+    (0.8, 0.8), (1.0, 1.0), ("80%", 0.8), ("100%", 1.0), ("0.5", 0.5), ("2GiB", 2 * 2**30), (1024, 1024),
+    ("512MB", 512 * 10**6)])
+def test_a_budget_is_bytes_or_a_fraction_of_the_device(value, parsed):
+    assert rules.parse_budget(value) == parsed
+
+
+@pytest.mark.parametrize("value", ["0%", "150%", "lots", -0.5, "-1GiB", True])
+def test_a_budget_that_is_neither_is_refused_naming_what_is_allowed(value):
+    with pytest.raises(ValueError, match="memory_budget=.*(fraction|percentage)"):
+        rules.parse_budget(value)
+
+
+def test_sections_auto_needs_no_budget():
+    rules.check_sections_arg("auto", None)
+
+
+def test_an_emulated_device_turns_bfc_on_and_onednn_off_unless_the_user_chose():
+    env = {LIMIT: "512"}
+    configure(env, tensorflow_loaded=False)
+    assert env[BFC] == "true" and env[ONEDNN] == "0"
+    assert cpu_limit(env) == 512 * 2**20
+    assert f"{LIMIT}=512 (yours)" in describe(env)
+    mine = {LIMIT: "512", ONEDNN: "1"}
+    configure(mine, tensorflow_loaded=False)
+    assert mine[ONEDNN] == "1" and mine[BFC] == "true"
+    assert cpu_limit({LIMIT: "512"}) is None, "without the BFC allocator TensorFlow ignores the limit"
+    assert cpu_limit({LIMIT: "lots", BFC: "true"}) is None
+
+
+def test_the_budget_comes_from_the_device():
+    from sections.backend.device import HEADROOM, DeviceMemory, resolve_budget
+
+    device = DeviceMemory("GPU:0", 1000 * 2**20, "test", hard=True)
+    budget, source = resolve_budget(None, device)
+    assert budget == int(1000 * 2**20 * (1 - HEADROOM)) and "GPU:0: 1000.0 MiB (test)" in source
+    assert resolve_budget(0.5, device) == (500 * 2**20, "0.5 of the device's memory, GPU:0: 1000.0 MiB (test)")
+    assert resolve_budget("300MiB", device) == (300 * 2**20, "given")
+    soft = DeviceMemory("CPU:0", 1000, "physical memory", hard=False)
+    assert resolve_budget(None, soft, held=200)[0] == int(800 * (1 - HEADROOM))
+    with pytest.raises(rules.RuleError, match="memory of GPU:0 is unknown .*give memory_budget"):
+        resolve_budget(None, DeviceMemory("GPU:0", None, "nvidia-smi could not be read", hard=True))
+
+
+def test_the_failing_allocation_is_read_from_tensorflows_message():
+    from sections.backend.device import requested_bytes
+
+    err = RuntimeError("OOM when allocating tensor with shape[96,64,64,3] and type float on /job:localhost/...")
+    assert requested_bytes(err) == (96 * 64 * 64 * 3 * 4, "[96,64,64,3] float")
+    assert requested_bytes(RuntimeError("something else")) == (None, "")
+
+
+@pytest.mark.parametrize("fits_up_to, replicas", [(700, 1), (33, 1), (5000, 2), (1, 1), (64, 8)])
+def test_batch_max_finds_the_largest_batch_that_fits(fits_up_to, replicas):
+    """A device where a step holds 100 MB plus 1 MB an example: the search ends within 5% of the true largest
+    batch (a multiple of the replicas), in a few trials, and keeps the engine of the batch it returns."""
+    budget, base = 100 * 10**6 + fits_up_to * 10**6, 100 * 10**6
+
+    def try_batch(b):
+        peak = base + b * 10**6
+        return peak <= budget, peak, "", f"engine {b}"
+
+    (batch, engine), search = largest_batch(try_batch, replicas, None, budget, base)
+    largest = fits_up_to // replicas * replicas
+    if largest == 0:
+        assert batch is None and engine is None
+        return
+    assert largest * 0.95 <= batch <= largest and batch % replicas == 0 and engine == f"engine {batch}"
+    assert len(search.trials) <= 8, search.trials
+
+
+def test_batch_max_stops_at_the_data_size():
+    (batch, _), search = largest_batch(lambda b: (True, b, "", b), 1, 300, 10**9, 0)
+    assert batch == 300 and search.trials[-1][0] == 300
+
+
+# ---------------------------------------------------------------------------------------------- emulated device
+def metrics(out: Path) -> dict:
+    return json.loads((out / "metrics.json").read_text())
+
+
+def test_a_whole_step_out_of_memory_is_one_line_with_what_would_fit(tmp_path):
+    proc = on_device(350, "-m", "runner", *RESNET, "engine=whole", "batch=512", "train.steps=2",
+                     f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "step 1: out of memory on CPU:0: 350.0 MiB (TF_CPU_BFC_MEM_LIMIT_IN_MB=350)" in errors[0]
+    assert "the failing allocation asked for" in errors[0] and "would fit: sections=auto" in errors[0]
+    assert not list(tmp_path.glob("checkpoints/ckpt-*")), "a failed step is never saved"
+
+
+def test_sections_auto_without_a_budget_trains_within_the_device(tmp_path):
+    proc = on_device(350, "-m", "runner", *RESNET, "sections=auto", "batch=512", "train.steps=3",
+                     f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = metrics(tmp_path)
+    assert m["step"] == 3 and m["step_peak_bytes"] <= 350 * 2**20
+    assert m["memory_budget_bytes"] == int(350 * 2**20 * 0.95)
+    assert "the device's memory, CPU:0: 350.0 MiB (TF_CPU_BFC_MEM_LIMIT_IN_MB=350)" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_batch_max_trains_at_least_twice_the_batch_whole_can(tmp_path):
+    found = {}
+    for name, args in (("whole", ["engine=whole"]), ("auto", ["sections=auto"])):
+        out = tmp_path / name
+        proc = on_device(350, "-m", "runner", *RESNET, *args, "batch=max", "train.steps=2", f"hydra.run.dir={out}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found[name] = metrics(out)["batch"]
+        assert metrics(out)["step_peak_bytes"] <= 350 * 2**20
+    assert found["auto"] >= 2 * found["whole"], found
+
+
+@pytest.mark.slow
+def test_sectioned_model_fits_where_plain_fit_runs_out_of_memory():
+    proc = on_device(250, "tests/device_worker.py", "fit")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["plain"] == "out of memory" and out["sectioned"] == "trained", out
+
+
+def test_a_step_out_of_memory_is_replanned_and_its_losses_equal_an_uninterrupted_runs():
+    proc = on_device(250, "tests/device_worker.py", "recover")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["losses"]["injected"] == out["losses"]["uninterrupted"], out
+    assert any("ran out of device memory" in r for r in out["replans"]["injected"]), out["replans"]
