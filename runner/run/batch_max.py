@@ -2,8 +2,9 @@
 
 A trial fits when the engine builds (with `sections=auto`, its dry steps find a plan under the budget) and one
 step at that batch runs, state restored after, without running out of memory and within the budget (the device's
-memory less headroom where none is given). Trials grow by the room the last one left (at most 4x), shrink by
-what a refused one measured, then halve the gap until it is within `TOLERANCE` of the largest that fits.
+memory less headroom where none is given). Trials double from `START` (up to 8x where a step held far less than
+the budget) until one does not fit (or the data's size is reached), then halve the gap until the smallest that
+does not fit is within `TOLERANCE` of the largest that does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("runner")
 
-TOLERANCE = 0.05  # stop when the smallest batch that does not fit is within this fraction above the largest that does
+TOLERANCE = 0.1  # stop when the smallest batch that does not fit is within this fraction above the largest that does
 MAX_TRIALS = 10
 START = 32  # the first trial's batch (per replica)
 
@@ -26,6 +27,7 @@ class Search:
 
     replicas: int
     cap: int | None
+    budget: int | None = None
     trials: list = field(default_factory=list)
 
     def best(self):
@@ -44,48 +46,43 @@ def round_to(batch: float, replicas: int) -> int:
     return max(replicas, int(batch) // replicas * replicas)
 
 
-def next_batch(search: Search, budget: int, base: int) -> int | None:
-    """The next trial's batch, or None when the search is done."""
-    fits = [t for t in search.trials if t[1]]
-    fails = [t for t in search.trials if not t[1]]
-    lo = max((t[0] for t in fits), default=None)
-    hi = min((t[0] for t in fails), default=None)
-    last = search.trials[-1]
-    if hi is None:  # grow
+def next_batch(search: Search) -> int | None:
+    """The next trial's batch, or None when the search is done: twice the largest that fits (up to 8x where its
+    step held far less than the budget) until one does not (at most the cap), then halfway between the largest that fits and the smallest that does not."""
+    lo = max((t[0] for t in search.trials if t[1]), default=None)
+    hi = min((t[0] for t in search.trials if not t[1]), default=None)
+    if hi is None:  # grow: twice, or up to 8x where the last step held far less than the budget
         if search.cap is not None and lo >= search.cap:
             return None
-        room = (budget - base) / max(1, (last[2] or budget) - base) if last[2] else 2.0
-        grown = round_to(lo * min(4.0, max(1.25, room * 0.95)), search.replicas)
-        grown = max(grown, lo + search.replicas)
+        peak = search.trials[-1][2]
+        factor = min(8.0, max(2.0, 0.9 * search.budget / peak)) if search.budget and peak else 2.0
+        grown = round_to(factor * lo, search.replicas)
         return min(grown, search.cap) if search.cap is not None else grown
     if lo is None:  # shrink
-        if hi <= search.replicas:
-            return None
-        need = fails[-1][2] if fails[-1][0] == hi else None
-        ratio = (budget - base) / max(1, need - base) if need and need > base else 0.5
-        return round_to(hi * min(0.9, max(0.1, ratio * 0.95)), search.replicas)
+        return round_to(hi / 2, search.replicas) if hi > search.replicas else None
     if hi - lo <= search.replicas or hi <= lo * (1 + TOLERANCE):
         return None
     middle = round_to((lo + hi) / 2, search.replicas)
     return middle if lo < middle < hi else None
 
 
-def largest_batch(try_batch, replicas: int, cap: int | None, budget: int, base: int):
+def largest_batch(try_batch, replicas: int, cap: int | None = None, budget: int | None = None):
     """Run trials `try_batch(b) -> (fits, peak or None, why, kept)` until the search ends; returns the largest
-    batch that fits with what its trial kept (its engine), and the `Search`. None when not even `replicas`
-    examples fit."""
-    search = Search(replicas, cap)
+    batch that fits (None when not even `replicas` examples do) with what its trial kept where that trial was
+    the last (None otherwise: every other trial's engine is freed before the next runs, so none holds memory
+    the next one would miss), and the `Search`."""
+    search = Search(replicas, cap, budget)
     batch = round_to(min(START * replicas, cap or math.inf), replicas)
-    kept = {}
+    kept = None
     while batch is not None and len(search.trials) < MAX_TRIALS:
         fits, peak, why, engine = try_batch(batch)
         search.trials.append((batch, fits, peak, why))
         log.info(f"batch=max: batch {batch} {'fits' if fits else 'does not fit'}"
                  + (f" ({why})" if why else ""))
-        if fits:
-            kept = {batch: engine}  # only the largest that fits is kept; the others are freed
+        batch = next_batch(search)
+        best = search.best()
+        kept = engine if batch is None and fits and best[0] == search.trials[-1][0] else None
         del engine
         gc.collect()
-        batch = next_batch(search, budget, base)
     best = search.best()
-    return (best[0], kept.get(best[0])) if best else (None, None), search
+    return (best[0] if best else None, kept), search

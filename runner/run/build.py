@@ -101,7 +101,6 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
     replicas = strategy.num_replicas_in_sync if strategy is not None else 1
     budget, source = engine_lib.device_budget(cfg.engine.memory_budget)
     cap = getattr(data, "train_size", None)
-    base = {}
 
     def try_batch(batch: int):
         try:
@@ -113,20 +112,18 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
             return False, smallest or None, "no plan fits", None
         except engine_lib.OutOfMemory as err:
             return False, err.in_use + (err.requested or 0), "out of memory while planning", None
-        base.setdefault("bytes", engine.meter.current())
         if engine.plan is not None:  # sections=auto: its dry steps ran the plan under the budget
             return True, engine.plan.predicted_peak, "", (engine, probe)
         fits, peak, why = _one_step_fits(engine, probe, budget)
         return fits, peak, why, (engine, probe) if fits else None
 
-    (batch, kept), search = largest_batch(try_batch, replicas, cap, budget, base.get("bytes", 0))
+    (batch, kept), search = largest_batch(try_batch, replicas, cap, budget)
     if batch is None:
         raise ConfigError("batch", "max", f"not even {replicas} example(s) fit the device's budget "
                           f"{rules.human_bytes(budget)} ({source}): {search.describe()}")
     cfg.batch = batch
-    engine, probe = kept
-    log.info(f"batch=max: {batch} (trials: {search.describe()}; budget {rules.human_bytes(budget)}, "
-             f"{source})")
+    log.info(f"batch=max: {batch} (trials: {search.describe()}; budget {rules.human_bytes(budget)}, {source})")
+    engine, probe = kept if kept is not None else make_engine(cfg, data, network, sections, strategy, batch)
     return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batch_search=search)
 
 
