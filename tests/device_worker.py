@@ -59,13 +59,13 @@ def data(n, size=32, classes=10):
     return rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, classes, n).astype("int32")
 
 
-def recover(batch=128, steps=5) -> dict:
-    x, y = data(batch * steps)
+def recover(batch=64, steps=4) -> dict:
+    x, y = data(batch * steps, size=16)
     losses, replans = {}, {}
     for name in ("uninterrupted", "injected"):
         injector = Injector(name="injector")
         xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        network = sections.from_keras(conv_model(injector), loss=lambda out, b: xent(b["label"], out),
+        network = sections.from_keras(conv_model(injector, size=16), loss=lambda out, b: xent(b["label"], out),
                                       inputs="image", loss_fields=["label"])
         engine = sections.Engine(network, keras.optimizers.Adam(1e-3), sections="auto")
         run = []

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from runner.run.batch_max import largest_batch
@@ -116,20 +117,20 @@ def metrics(out: Path) -> dict:
 
 def test_a_whole_step_out_of_memory_is_one_line_with_what_would_fit(tmp_path):
     proc = on_device(350, "-m", "runner", *RESNET, "engine=whole", "batch=512", "train.steps=2",
-                     f"hydra.run.dir={tmp_path}")
+                     f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 4, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "step 1: out of memory on CPU:0: 350.0 MiB (TF_CPU_BFC_MEM_LIMIT_IN_MB=350)" in errors[0]
     assert "the failing allocation asked for" in errors[0] and "would fit: sections=auto" in errors[0]
-    assert not list(tmp_path.glob("checkpoints/ckpt-*")), "a failed step is never saved"
+    assert not list(tmp_path.glob("run/checkpoints/ckpt-*")), "a failed step is never saved"
 
 
 def test_sections_auto_without_a_budget_trains_within_the_device(tmp_path):
     proc = on_device(350, "-m", "runner", *RESNET, "sections=auto", "batch=512", "train.steps=3",
-                     f"hydra.run.dir={tmp_path}")
+                     f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    m = metrics(tmp_path)
+    m = metrics(tmp_path / "run")
     assert m["step"] == 3 and m["step_peak_bytes"] <= 350 * 2**20
     assert m["memory_budget_bytes"] == int(350 * 2**20 * 0.95)
     assert "the device's memory, CPU:0: 350.0 MiB (TF_CPU_BFC_MEM_LIMIT_IN_MB=350)" in proc.stderr + proc.stdout
@@ -156,8 +157,9 @@ def test_sectioned_model_fits_where_plain_fit_runs_out_of_memory():
 
 
 def test_a_step_out_of_memory_is_replanned_and_its_losses_equal_an_uninterrupted_runs():
-    proc = on_device(250, "tests/device_worker.py", "recover")
+    proc = on_device(100, "tests/device_worker.py", "recover")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["losses"]["injected"] == out["losses"]["uninterrupted"], out
+    # The re-planned step may cut elsewhere: equal within float32 rounding (measured: bit-equal here).
+    np.testing.assert_allclose(out["losses"]["injected"], out["losses"]["uninterrupted"], rtol=1e-6)
     assert any("ran out of device memory" in r for r in out["replans"]["injected"]), out["replans"]

@@ -22,7 +22,7 @@ def engine(**kw):
     (dict(sections=3, policy=["store", "recompute"]), "policy has 2 entries"),
     (dict(policy="cache"), r"Unknown policy 'cache'; allowed: \['recompute', 'store', 'recreate'\]"),
     (dict(policy="stor"), r"did you mean 'store'"),
-    (dict(sections="auto"), "needs memory_budget"),
+    (dict(sections="auto", memory_budget="150%"), r"memory_budget='150%': a percentage of the device's memory"),
     (dict(sections="auto", memory_budget="lots"), "memory_budget='lots'"),
 ])
 def test_bad_arguments(kw, message):

@@ -69,7 +69,8 @@ class RunRecord:
         lr = cfg.optimizer.get("learning_rate")
         strategy = getattr(self.setup.engine, "strategy", type(self.setup.engine).__name__)
         lines = [f"run folder: {self.out}" + (f" (resumed at step {start_step})" if start_step else ""),
-                 f"model {_short(cfg.model._target_)}, data {_short(cfg.data._target_)}, batch {cfg.batch}, "
+                 f"model {_short(cfg.model._target_)}, data {_short(cfg.data._target_)}, batch {cfg.batch}"
+                 + (f" (batch=max: {search.describe()})" if (search := self.setup.batch_search) else "") + ", "
                  f"{cfg.train.steps} steps, optimizer {_short(cfg.optimizer._target_)}"
                  + (f" lr {lr:g}" if isinstance(lr, (int, float)) else "") + f", engine {strategy}"
                  + (f", precision {precision}" if (precision := cfg.train.get("precision", "float32")) != "float32"
@@ -208,6 +209,11 @@ def _memory_line(engine) -> str:
     meter = getattr(engine, "meter", None)
     if meter is not None and meter.available:
         where = f"memory: measured on {', '.join(meter.devices)}"
+        device = getattr(engine, "device_memory", None)
+        if device is not None:
+            where += f"; device memory {device.describe()}"
+        if getattr(engine, "budget_source", None):
+            where += f"; budget {human_bytes(engine.memory_budget)} ({engine.budget_source})"
     else:
         where = "memory: NOT MEASURED (the allocator keeps no statistics; set TF_CPU_ALLOCATOR_USE_BFC=true)"
     return f"{where}; {describe(os.environ)}"

@@ -72,6 +72,9 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
         model_files.final(step)
         history, results = telemetry.history, evaluation.results
         metrics = {**describe_setup(engine, cfg.batch), **exactness,
+                   **({"batch_max_trials": [{"batch": b, "fits": ok, "peak_bytes": p, "why": why}
+                                            for b, ok, p, why in setup.batch_search.trials]}
+                      if setup.batch_search else {}),
                    **summarize(history, results, data, cfg.batch, step)}
         if datafeed.record(data):
             metrics["data"] = datafeed.record(data)
@@ -178,6 +181,12 @@ def describe_setup(engine, batch: int) -> dict:
         "apply": "in_backward" if getattr(engine, "apply_reason", "") is None else "at_end",
         "apply_reason": getattr(engine, "apply_reason", "a baseline trainer: one update after its whole step"),
     }
+    device = getattr(engine, "device_memory", None)
+    if device is not None:
+        info.update(device_memory_bytes=device.total, device_memory_source=device.source,
+                    device_memory_hard_limit=device.hard)
+    if getattr(engine, "budget_source", None):
+        info["memory_budget_source"] = engine.budget_source
     if getattr(engine, "plan", None) is not None:
         info.update(memory_budget_bytes=engine.plan.budget, predicted_peak_bytes=engine.plan.predicted_peak,
                     planner_margin=engine.plan.margin, planner_measured_sections=engine.plan.measured_sections,

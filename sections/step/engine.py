@@ -50,13 +50,16 @@ class Engine(Trainer):
         network: the chain of blocks and its loss.
         optimizer: a Keras 3 optimizer; one update per step, over every section's gradients (see ``apply``).
         sections: an int (that many contiguous sections balanced by activation bytes counted from shapes),
-            a list of boundary names (where sections start), ``"auto"`` with ``memory_budget`` (the
-            planner picks boundaries, policies and which borders to keep), or a ``Schedule``.
+            a list of boundary names (where sections start), ``"auto"`` (the planner picks boundaries, policies
+            and which borders to keep under ``memory_budget``), or a ``Schedule``.
         policy: a policy name (``"recompute"``, ``"store"``, ``"recreate"``), a ``sections.Policy``, or one
             per section.
         jit_compile: compile the section functions with XLA.
         check: compare each re-run's output with its first run and raise on a mismatch.
-        memory_budget: bytes (or a string like ``"2GiB"``) for ``sections="auto"``.
+        memory_budget: for ``sections="auto"``: bytes, a size like ``"2GiB"``, or a fraction of the device's memory
+            (``0.8``, ``"80%"``); default (None) the device's memory (``sections.device_memory``: a GPU's, or a CPU
+            allocator's ``TF_CPU_BFC_MEM_LIMIT_IN_MB``, else physical memory) less ``HEADROOM``. On a device with a
+            hard limit, a step that runs out of memory is re-planned and run again from the state before it.
         one_graph: compile the whole step (forward, every section's re-run and backward, the optimizer) into one
             ``tf.function``, each re-run gated on the gradient from the section after it (so it cannot be hoisted
             into the first forward) and replaying that section's state snapshot, as the sectioned cycle does.

@@ -32,9 +32,10 @@ class SectionedModel(keras.Model):
         model: the user's built ``keras.Model`` (functional API) or ``keras.Sequential`` (with an ``Input``);
             it holds the trained weights, and ``save``/``save_weights`` write it, not the wrapper.
         sections: an int (that many sections, balanced by activation bytes), a list of layer names where
-            sections start (cut points of the model's graph), or ``"auto"`` with ``memory_budget``.
+            sections start (cut points of the model's graph), or ``"auto"`` (the planner, under ``memory_budget``).
         policy: ``"recompute"``, ``"store"``, ``"recreate"``, a ``sections.Policy``, or one per section.
-        memory_budget: bytes or a size such as ``"2GiB"`` for ``sections="auto"``.
+        memory_budget: for ``sections="auto"``: bytes, a size such as ``"2GiB"``, or a fraction of the device's
+            memory (``0.8``, ``"80%"``); default the device's memory less ``sections.backend.device.HEADROOM``.
         check: compare each re-run's output with its first run and raise on a mismatch.
         probe_batch: examples the planner's probe runs (``sections="auto"``); default the real batch.
         one_graph: compile each step into one graph (``Engine(one_graph=True)``).
