@@ -68,9 +68,10 @@ def next_batch(search: Search) -> int | None:
 
 def largest_batch(try_batch, replicas: int, cap: int | None = None, budget: int | None = None):
     """Run trials `try_batch(b) -> (fits, peak or None, why, kept)` until the search ends; returns the largest
-    batch that fits (None when not even `replicas` examples do) with what its trial kept where that trial was
-    the last (None otherwise: every other trial's engine is freed before the next runs, so none holds memory
-    the next one would miss), and the `Search`."""
+    batch that fits (None when not even `replicas` examples do) with what its trial kept, and the `Search`.
+    The best trial's engine is held while later trials run (they then measure with its optimizer slots in
+    memory, erring small) and trains: its plan is the one its dry steps measured (a plan made again at that
+    batch after other trials may differ: the notebook ResNet's ran out of memory in its first step)."""
     search = Search(replicas, cap, budget)
     batch = round_to(min(START * replicas, cap or math.inf), replicas)
     kept = None
@@ -79,10 +80,12 @@ def largest_batch(try_batch, replicas: int, cap: int | None = None, budget: int 
         search.trials.append((batch, fits, peak, why))
         log.info(f"batch=max: batch {batch} {'fits' if fits else 'does not fit'}"
                  + (f" ({why})" if why else ""))
-        batch = next_batch(search)
-        best = search.best()
-        kept = engine if batch is None and fits and best[0] == search.trials[-1][0] else None
+        if fits:
+            kept = None  # the smaller batch's engine is freed before the larger one is kept
+            gc.collect()
+            kept = engine
         del engine
         gc.collect()
+        batch = next_batch(search)
     best = search.best()
     return (best[0] if best else None, kept), search

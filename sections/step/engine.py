@@ -484,11 +484,14 @@ class Engine(Trainer):
         raise AssertionError("unreachable")
 
     def _replan_below(self, err: "OutOfMemory", batch) -> None:
-        """After a step ran out of memory: where it failed below the budget (the allocator's chunks), the budget
-        comes down to what was in use then; the plan is dry-run again and re-planned from there."""
+        """After a step ran out of memory: the budget comes down below what was in use when it failed (the
+        allocator could hold no more there: its chunks, or a step heavier than its dry step), unless the failing
+        request alone was larger than the device (no plan makes that fit: the budget stays); the plan is then
+        dry-run again and re-planned, as at build."""
         hb = rules.human_bytes
-        if err.in_use + (err.requested or 0) <= self.memory_budget:
-            self.memory_budget = max(1, int(err.in_use * (1 - DRY_NOISE)))
+        total = err.device.total or self.memory_budget
+        if err.requested is None or err.requested < total:
+            self.memory_budget = min(self.memory_budget, max(1, int(err.in_use * (1 - DRY_NOISE))))
         self._log_replan(f"a step ran out of device memory ({err}); re-planning under "
                          f"{hb(self.memory_budget)} and running the step again from the state before it")
         self._calibrate(batch)
