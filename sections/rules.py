@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 import re
 from typing import Mapping, Sequence
 
@@ -128,6 +129,13 @@ def check_strategy(strategy: str) -> None:
     if strategy not in STRATEGIES:
         raise ValueError(f"Unknown strategy {strategy!r}; allowed: {list(STRATEGIES)}"
                          f"{_did_you_mean(str(strategy), STRATEGIES)}.")
+
+
+def as_sections(sections):
+    """``sections`` with a NumPy (or other ``numbers.Integral``) integer as a Python int, a tuple as a list."""
+    if isinstance(sections, numbers.Integral) and not isinstance(sections, bool):
+        return int(sections)
+    return list(sections) if isinstance(sections, tuple) else sections
 
 
 def check_sections_arg(sections, memory_budget=None) -> None:

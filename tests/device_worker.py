@@ -22,6 +22,8 @@ import tensorflow as tf  # noqa: E402
 
 import sections  # noqa: E402
 
+tf.config.threading.set_inter_op_parallelism_threads(1)  # as the runner runs the sectioned engine: one op order
+
 
 class Injector(keras.layers.Layer):
     """The identity; while `armed` holds 1, its next call disarms it and then asks for 4 GiB (out of memory)."""

@@ -132,7 +132,9 @@ def test_sections_auto_without_a_budget_trains_within_the_device(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = metrics(tmp_path / "run")
     assert m["step"] == 3 and m["step_peak_bytes"] <= 350 * 2**20
-    assert m["memory_budget_bytes"] == int(350 * 2**20 * 0.95)
+    # the device's memory less headroom, or below it where a step ran out and was re-planned
+    assert m["memory_budget_bytes"] <= int(350 * 2**20 * 0.95)
+    assert m["memory_budget_source"].startswith("the device's memory, CPU:0: 350.0 MiB")
     assert "the device's memory, CPU:0: 350.0 MiB (TF_CPU_BFC_MEM_LIMIT_IN_MB=350)" in proc.stderr + proc.stdout
 
 
@@ -157,9 +159,16 @@ def test_sectioned_model_fits_where_plain_fit_runs_out_of_memory():
 
 
 def test_a_step_out_of_memory_is_replanned_and_its_losses_equal_an_uninterrupted_runs():
-    proc = on_device(100, "tests/device_worker.py", "recover")
+    proc = on_device(120, "tests/device_worker.py", "recover")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     # The re-planned step may cut elsewhere: equal within float32 rounding (measured: bit-equal here).
     np.testing.assert_allclose(out["losses"]["injected"], out["losses"]["uninterrupted"], rtol=1e-6)
     assert any("ran out of device memory" in r for r in out["replans"]["injected"]), out["replans"]
+
+
+def test_a_numpy_integer_is_a_number_of_sections():
+    import numpy as np
+
+    assert rules.as_sections(np.int64(2)) == 2 and type(rules.as_sections(np.int64(2))) is int
+    assert rules.as_sections(("a", "b")) == ["a", "b"] and rules.as_sections(True) is True

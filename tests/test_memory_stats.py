@@ -59,7 +59,8 @@ def test_runner_measures_memory_with_onednn_off(tmp_path):
     assert metrics["memory_measured"] is True and metrics["step_peak_bytes"] > 0
     assert all(p > 0 for p in metrics["peak_bytes_per_section"])
     log = (out / "runner.log").read_text()
-    assert f"memory: measured on CPU:0; CPU allocator: {BFC}=true (set by sectionflow), {ONEDNN}=0 (yours)" in log
+    assert "memory: measured on CPU:0; device memory CPU:0: " in log
+    assert f"; CPU allocator: {BFC}=true (set by sectionflow), {ONEDNN}=0 (yours)" in log
 
 
 def test_without_statistics_nothing_reads_zero_and_nothing_plans(tmp_path):

@@ -95,7 +95,7 @@ BAD = [
     (["sections=[a"], "sections=[a: not valid override syntax"),
     (["model=resnte"], "model=resnte: unknown option (did you mean 'resnet'?); allowed: attention"),
     (["optimizer.beta1=0.5"], "optimizer.beta1=0.5: unknown key (did you mean 'beta_1'?)"),
-    (["batch=abc"], "batch=abc: must be an integer"),
+    (["batch=abc"], "batch=abc: must be a positive integer, or max"),
     (["engine.jit_compile=maybe"], "engine.jit_compile=maybe: must be true or false"),
     (["model=nope"], "model=nope: unknown option; allowed: attention, gpt, keras_app, keras_file, mlp, resnet"),
     (["data=nope"], "data=nope: unknown option; allowed: arrays, digits, image_folder"),

@@ -30,8 +30,7 @@ class Trainer:
                  probe_batch: int | None = None, device: str | None = None, distribute=None):
         if not isinstance(network, Network):
             raise ValueError(f"network must be a sections.Network; got {type(network).__name__}.")
-        if isinstance(sections, tuple):
-            sections = list(sections)
+        sections = rules.as_sections(sections)
         rules.check_sections_arg(sections, memory_budget)
         if memory_budget is not None:
             rules.parse_budget(memory_budget)  # its shape, before anything is measured

@@ -50,7 +50,8 @@ class Engine(Trainer):
         network: the chain of blocks and its loss.
         optimizer: a Keras 3 optimizer; one update per step, over every section's gradients (see ``apply``).
         sections: an int (that many contiguous sections balanced by activation bytes counted from shapes),
-            a list of boundary names (where sections start), ``"auto"`` (the planner picks boundaries, policies
+            a list of boundary names (a block name: a section starts there; a Keras model's layer name: a section
+            ends with it), ``"auto"`` (the planner picks boundaries, policies
             and which borders to keep under ``memory_budget``), or a ``Schedule``.
         policy: a policy name (``"recompute"``, ``"store"``, ``"recreate"``), a ``sections.Policy``, or one
             per section.
@@ -98,6 +99,7 @@ class Engine(Trainer):
                  policy="recompute", jit_compile: bool = False, check: bool = False,
                  memory_budget: int | str | None = None, probe_batch: int | None = None, device: str | None = None,
                  distribute=None, one_graph: bool = False, lean: bool | str = True, apply: str = "auto"):
+        sections = rules.as_sections(sections)
         fixed = sections if isinstance(sections, Schedule) else None
         if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
             sections, policy = fixed.num_sections, list(fixed.policies)

@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
 
+from .. import rules
 from ..network.keras_network import _checked, from_keras
 from .engine import Engine
 
@@ -31,8 +32,9 @@ class SectionedModel(keras.Model):
     Args:
         model: the user's built ``keras.Model`` (functional API) or ``keras.Sequential`` (with an ``Input``);
             it holds the trained weights, and ``save``/``save_weights`` write it, not the wrapper.
-        sections: an int (that many sections, balanced by activation bytes), a list of layer names where
-            sections start (cut points of the model's graph), or ``"auto"`` (the planner, under ``memory_budget``).
+        sections: an int (that many sections, balanced by activation bytes), a list of layer names each of
+            which ends a section (cut points of the model's graph: the next section starts after that layer), or
+            ``"auto"`` (the planner, under ``memory_budget``).
         policy: ``"recompute"``, ``"store"``, ``"recreate"``, a ``sections.Policy``, or one per section.
         memory_budget: for ``sections="auto"``: bytes, a size such as ``"2GiB"``, or a fraction of the device's
             memory (``0.8``, ``"80%"``); default the device's memory less ``sections.backend.device.HEADROOM``.
@@ -60,7 +62,8 @@ class SectionedModel(keras.Model):
         _check_model(model)
         super().__init__(name=name or f"sectioned_{model.name}")
         self.model = model
-        self._engine_args = dict(sections=list(sections) if isinstance(sections, tuple) else sections,
+        sections = rules.as_sections(sections)
+        self._engine_args = dict(sections=sections,
                                  policy=policy, memory_budget=memory_budget, check=check,
                                  probe_batch=probe_batch, one_graph=one_graph, lean=lean, apply=apply)
         self.network = self._cut(model, sections, max_blocks)
