@@ -139,11 +139,39 @@ def test_arrays_npy_pair_with_a_test_file(tmp_path):
     np.save(tmp_path / "y.npy", np.arange(12) % 3)
     np.save(tmp_path / "xt.npy", rng.normal(size=(5, 4, 4, 2)).astype(np.float32))
     np.save(tmp_path / "yt.npy", np.arange(5) % 3)
-    source = data.arrays(str(tmp_path / "x.npy"), labels_path=str(tmp_path / "y.npy"),
-                         test_path=str(tmp_path / "xt.npy"), test_labels_path=str(tmp_path / "yt.npy"))
+    files = dict(labels_path=str(tmp_path / "y.npy"), test_path=str(tmp_path / "xt.npy"),
+                 test_labels_path=str(tmp_path / "yt.npy"))
+    with pytest.raises(ValueError, match=r"data.path: the images are float32 with values -2\.71129\.\.3\.10004; .*"
+                                         r"give data.rescale"):
+        data.arrays(str(tmp_path / "x.npy"), **files)  # standardized floats: fed as they are only when asked
+    source = data.arrays(str(tmp_path / "x.npy"), rescale=1, **files)
     assert source.rescale == 1.0 and source.train_size == 12 and source.test_size == 5
     batch = next(iter(source.eval_batches(5)))
     assert np.allclose(batch["image"], np.load(tmp_path / "xt.npy"))
+
+
+@pytest.mark.parametrize("images, rescale, top", [
+    (np.full((6, 4, 4), 65535, np.uint16), 1 / 65535, 1.0),
+    (np.full((6, 4, 4), 0.5, np.float64), 1.0, 1.0),
+    (np.full((6, 4, 4), 200, np.uint8), 1 / 255, 1.0)])
+def test_arrays_scale_by_their_dtype_and_the_header_says_what_the_model_receives(tmp_path, images, rescale, top):
+    np.savez(tmp_path / "d.npz", x=images, y=np.arange(6) % 2)
+    source = data.arrays(str(tmp_path / "d.npz"), test_fraction=0.5)
+    assert source.rescale == pytest.approx(rescale) and f"values 0..{top:g})" in source.describe()
+    batch = next(iter(source.train_batches(3, 0)))
+    assert float(np.max(batch["image"])) <= top
+
+
+def test_arrays_in_0_255_as_floats_and_non_finite_rows_are_refused_naming_them(tmp_path):
+    np.savez(tmp_path / "f.npz", x=np.full((6, 4, 4), 255.0), y=np.arange(6) % 2)
+    with pytest.raises(ValueError, match=r"float64 with values 255\.\.255; .*1/255 for values in 0\.\.255"):
+        data.arrays(str(tmp_path / "f.npz"))
+    assert data.arrays(str(tmp_path / "f.npz"), rescale="1/255").describe().count("values 0..1)") == 1
+    x = np.zeros((6, 4, 4), np.float32)
+    x[4, 1, 2] = np.nan
+    np.savez(tmp_path / "n.npz", x=x, y=np.arange(6) % 2)
+    with pytest.raises(ValueError, match="data.path: image row 4 holds nan"):
+        data.arrays(str(tmp_path / "n.npz"))
 
 
 # ---------------------------------------------------------------- tfrecord

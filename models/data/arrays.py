@@ -56,7 +56,8 @@ def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_p
         test_path, test_labels_path: the test split in the same form; without them ``test_fraction`` of
             ``path``'s rows (drawn with ``split_seed``; ``None``: 0.2) is held out.
         num_classes: ``None``: the largest training label + 1.
-        rescale: ``None``: 1/255 for uint8 images, else 1.
+        rescale: ``None``: 1/255 for uint8 images, 1/65535 for uint16, 1 for floats already in 0..1; other
+            images need it given (``value_scale``).
         augment: training augmentations by name.
         mean, std: standardization after rescale, ``(x - mean) / std``: a number or one per channel.
     """
@@ -88,9 +89,8 @@ def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_p
         x_test, y_test = x, y
         info["test_fraction"] = float(fraction)
     y_train, y_test = y[train_rows], y_test[test_rows]
-    uint8 = x.dtype == np.uint8
-    common = dict(rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0), augment=parse_augment(augment),
-                  max_value=255.0 if uint8 else 1.0, info=info,
+    scale, top = value_scale(x if test_path is None else (x, x_test), rescale)
+    common = dict(rescale=scale, augment=parse_augment(augment), max_value=top, info=info,
                   standardize=parse_standardize(mean, std, x.shape[-1] if x.ndim == 4 else 1))
     if np.issubdtype(y.dtype, np.floating):  # float targets: the model regresses them
         if y_test.shape[1:] != y_train.shape[1:] or not np.issubdtype(y_test.dtype, np.floating):
@@ -109,6 +109,55 @@ def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_p
             raise ValueError(f"data.{y_key if labels_path is None else 'labels_path'}: the {split} labels hold {bad}, "
                              f"outside the class range 0..{classes - 1} ({where}).")
     return ArraySource(x, train_rows, y_train, x_test, test_rows, y_test, classes, **common)
+
+
+_CHUNK = 4096  # rows read at once for a range or a finiteness check (the arrays may be memory-mapped)
+
+
+def value_scale(images, rescale) -> tuple[float, float]:
+    """``data.rescale`` and the largest stored value, from the images' dtype and range: uint8 1/255, uint16
+    1/65535, floats already in 0..1 as they are; other values need an explicit ``data.rescale`` (refused in one
+    line naming the range seen). Non-finite values are refused naming the split and row. ``images``: an array, or
+    (training, test) arrays."""
+    arrays = images if isinstance(images, tuple) else (images,)
+    names = ("data.path", "data.test_path")
+    kind = arrays[0].dtype
+    if np.issubdtype(kind, np.floating):
+        for name, array in zip(names, arrays):
+            _check_finite(array, name)
+    if kind in (np.uint8, np.uint16):
+        top = float(np.iinfo(kind).max)
+        return parse_rescale(rescale, 1 / top), top
+    lo, hi = _value_range(arrays)
+    if rescale is not None:
+        return parse_rescale(rescale, 1.0), max(hi, 0.0)
+    if np.issubdtype(kind, np.floating) and lo >= 0 and hi <= 1:
+        return 1.0, 1.0
+    raise ValueError(f"data.path: the images are {kind} with values {lo:g}..{hi:g}; with data.rescale=null only "
+                     f"uint8 (scaled by 1/255), uint16 (1/65535) and floats already in 0..1 are scaled by themselves: "
+                     f"give data.rescale (1/255 for values in 0..255; 1 to feed them as they are).")
+
+
+def _value_range(arrays) -> tuple[float, float]:
+    lo, hi = np.inf, -np.inf
+    for array in arrays:
+        for start in range(0, len(array), _CHUNK):
+            chunk = np.asarray(array[start:start + _CHUNK])
+            if chunk.size:
+                lo, hi = min(lo, float(chunk.min())), max(hi, float(chunk.max()))
+    return lo, hi
+
+
+def _check_finite(array, name: str) -> None:
+    for start in range(0, len(array), _CHUNK):
+        chunk = np.asarray(array[start:start + _CHUNK]).reshape(min(_CHUNK, len(array) - start), -1)
+        bad = np.flatnonzero(~np.isfinite(chunk).all(axis=1))
+        if bad.size:
+            row = start + int(bad[0])
+            value = chunk[bad[0]][~np.isfinite(chunk[bad[0]])][0]
+            more = f" (and {bad.size - 1} more rows in rows {start}..{start + len(chunk) - 1})" if bad.size > 1 else ""
+            raise ValueError(f"{name}: image row {row} holds {value} (not a finite number){more}; non-finite "
+                             f"values would reach the weights as NaN: fix or drop those rows.")
 
 
 def _open(path, labels_path, x_key: str, y_key: str, key: str, labels_key: str):
