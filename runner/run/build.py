@@ -20,7 +20,10 @@ class Setup:
     data: Any
     engine: Any
     sections: Any  # the resolved `sections` handed to the engine
-    probe: dict  # one training batch, from its own iterator, used to build the engine
+    probe: dict  # the first training batch, used to build the engine
+    # The training iterator the probe came from (its prefetch buffers were in memory while the engine planned);
+    # None where the probe came from an iterator of its own (a multi-worker shard): training makes its own.
+    batches: Any = None
     strategy: Any = None  # the tf.distribute strategy (None: one device)
     batch_search: Any = None  # batch=max: its trials (runner/run/batch_max.py)
 
@@ -62,8 +65,8 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
         check_boundaries(sections, network)
     if searching:
         return _largest(cfg, data, network, sections, strategy)
-    engine, probe = make_engine(cfg, data, network, sections, strategy, cfg.batch)
-    return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy)
+    engine, probe, batches = make_engine(cfg, data, network, sections, strategy, cfg.batch)
+    return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batches=batches)
 
 
 def _scope(strategy):
@@ -74,13 +77,16 @@ def _scope(strategy):
 
 def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, raw: bool = False):
     """The engine of `cfg.engine` with a fresh optimizer, built on the first training batch of `batch` examples;
-    returns it and that batch. `raw`: the engine's own errors as raised (else one ConfigError naming sections)."""
-    from runner.run.datafeed import next_batch
+    returns it, that batch and the training iterator it came from (None under a multi-worker shard), so the
+    input pipeline's buffers are in memory while `sections=auto` measures. `raw`: the engine's own errors as
+    raised (else one ConfigError naming sections)."""
+    from runner.run.datafeed import next_batch, train_iterator, worker_shard
 
     with _scope(strategy):
         optimizer = wrap_optimizer(instantiate(cfg.optimizer, "optimizer"), cfg.train.precision)
     engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
-    probe = next_batch(iter(data.train_batches(batch, cfg.train.seed)))
+    batches = train_iterator(data, batch, cfg.train.seed, strategy) if worker_shard(strategy) is None else None
+    probe = next_batch(batches if batches is not None else iter(data.train_batches(batch, cfg.train.seed)))
     try:
         engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections,
                              _convert_="all",  # a plain list of boundary names, not a ListConfig
@@ -90,7 +96,7 @@ def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, 
         if raw:
             raise
         raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
-    return engine, probe
+    return engine, probe, batches
 
 
 def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
@@ -104,7 +110,7 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
 
     def try_batch(batch: int):
         try:
-            engine, probe = make_engine(cfg, data, network, sections, strategy, batch, raw=True)
+            engine, probe, batches = make_engine(cfg, data, network, sections, strategy, batch, raw=True)
         except ValueError as err:
             smallest = getattr(err, "smallest", None)
             if smallest is None:
@@ -113,9 +119,9 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
         except engine_lib.OutOfMemory as err:
             return False, err.in_use + (err.requested or 0), "out of memory while planning", None
         if engine.plan is not None:  # sections=auto: its dry steps ran the plan under the budget
-            return True, engine.plan.predicted_peak, "", (engine, probe)
+            return True, engine.plan.predicted_peak, "", (engine, probe, batches)
         fits, peak, why = _one_step_fits(engine, probe, budget)
-        return fits, peak, why, (engine, probe) if fits else None
+        return fits, peak, why, (engine, probe, batches) if fits else None
 
     (batch, kept), search = largest_batch(try_batch, replicas, cap, budget)
     if batch is None:
@@ -123,8 +129,9 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
                           f"{rules.human_bytes(budget)} ({source}): {search.describe()}")
     cfg.batch = batch
     log.info(f"batch=max: {batch} (trials: {search.describe()}; budget {rules.human_bytes(budget)}, {source})")
-    engine, probe = kept if kept is not None else make_engine(cfg, data, network, sections, strategy, batch)
-    return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batch_search=search)
+    engine, probe, batches = kept if kept is not None else make_engine(cfg, data, network, sections, strategy, batch)
+    return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batches=batches,
+                 batch_search=search)
 
 
 def _one_step_fits(engine, probe, budget: int, steps: int = 2):

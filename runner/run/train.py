@@ -33,11 +33,14 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
     from runner.run.export import ModelFiles
 
     engine, data, train, changes = setup.engine, setup.data, cfg.train, changes or {}
-    batches = datafeed.train_iterator(data, cfg.batch, train.seed, setup.strategy)
+    batches = setup.batches if setup.batches is not None else datafeed.train_iterator(data, cfg.batch, train.seed,
+                                                                                       setup.strategy)
+    first = setup.probe if setup.batches is not None else None  # the build took it from the same iterator
     checkpoints = Checkpoints(out / "checkpoints", engine, batches, train.keep_checkpoints)
     start = 0
     if cfg.resume:
         start, restored = checkpoints.restore(restore_from)
+        first = None  # the restored iterator continues where the run stopped
         if start >= train.steps:
             raise ConfigError("train.steps", train.steps, f"must exceed the resumed run's step {start} "
                               f"(give train.steps=<more>)")
@@ -68,7 +71,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
                        telemetry, ProgressHook(progress, cfg.batch), evaluation,
                        Checkpointing(checkpoints, train.checkpoint_every, train.steps),
                        SignalStop(checkpoints, train.checkpoint_every, train.steps, out)])
-        step = _loop(engine, batches, hooks, start, train.steps)
+        step = _loop(engine, batches, hooks, start, train.steps, first)
         model_files.final(step)
         history, results = telemetry.history, evaluation.results
         metrics = {**describe_setup(engine, cfg.batch), **exactness,
@@ -91,8 +94,9 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
     return metrics[metrics["metric"]]
 
 
-def _loop(engine, batches, hooks: Hooks, start: int, steps: int) -> int:
-    """Steps `start + 1 .. steps`, the hooks around each; returns the last step run."""
+def _loop(engine, batches, hooks: Hooks, start: int, steps: int, first=None) -> int:
+    """Steps `start + 1 .. steps`, the hooks around each (`first`: the first step's batch, already taken from
+    `batches`); returns the last step run."""
     from sections import BudgetExceededError, OutOfMemory, ReplayMismatchError
 
     from runner.run import datafeed
@@ -101,7 +105,7 @@ def _loop(engine, batches, hooks: Hooks, start: int, steps: int) -> int:
     hooks.on_train_begin()
     try:
         for step in range(start + 1, steps + 1):
-            batch = datafeed.next_batch(batches)
+            batch, first = (first, None) if first is not None else (datafeed.next_batch(batches), None)
             hooks.on_step_begin(step)
             began = time.perf_counter()
             try:
