@@ -8,6 +8,7 @@ Writes `results.json`, a markdown table and a plot of device memory against the 
 
     PYTHONPATH=. python docs/bench/device/largest_batch.py --model resnet --devices 1024,2048 --out outputs/bench/device
     PYTHONPATH=. python docs/bench/device/largest_batch.py --model ResNet50 --devices 1024,2048 --out outputs/bench/device50
+    PYTHONPATH=. python docs/bench/device/largest_batch.py --combine a/results.json b/results.json --out docs/bench/device
 """
 import argparse
 import json
@@ -94,8 +95,14 @@ def main() -> None:
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench/device"))
+    parser.add_argument("--combine", nargs="+", type=Path, help="results.json files: one table and plot of them all")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.combine:
+        rows = [row for path in args.combine for row in json.loads(path.read_text())]
+        plot(rows, args.out / f"largest_batch_{rows[0]['model']}.png")
+        print(table(rows))
+        return
     rows = []
     for device in [int(d) for d in args.devices.split(",")]:
         for engine in args.engines.split(","):
