@@ -126,6 +126,7 @@ def test_a_whole_step_out_of_memory_is_one_line_with_what_would_fit(tmp_path):
     assert not list(tmp_path.glob("run/checkpoints/ckpt-*")), "a failed step is never saved"
 
 
+@pytest.mark.slow  # 40-80 s; the fast set keeps sections="auto" with no budget on the device in the recovery test
 def test_sections_auto_without_a_budget_trains_within_the_device(tmp_path):
     proc = on_device(350, "-m", "runner", *RESNET, "sections=auto", "batch=512", "train.steps=3",
                      f"hydra.run.dir={tmp_path / 'run'}")
