@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
@@ -67,15 +68,22 @@ def _gpu_memory(device: str) -> DeviceMemory:
         if limits:
             return DeviceMemory(device, int(limits[0]) * 2**20, "the memory limit set with "
                                 "tf.config.set_logical_device_configuration", hard=True)
+    total = _card_memory(index)
+    if total is None:
+        return DeviceMemory(device, None, "nvidia-smi could not be read", hard=True)
+    return DeviceMemory(device, total, "nvidia-smi memory.total", hard=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _card_memory(index: int) -> int | None:
+    """A card's total memory from ``nvidia-smi`` (asked once per process: every trainer reads it at init)."""
     try:
         out = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=memory.total",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
         total = int(out.stdout.strip().splitlines()[0]) * 2**20 if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         total = None
-    if total is None:
-        return DeviceMemory(device, None, "nvidia-smi could not be read", hard=True)
-    return DeviceMemory(device, total, "nvidia-smi memory.total", hard=True)
+    return total
 
 
 def resolve_budget(value, memory: DeviceMemory, held: int = 0) -> tuple[int, str]:

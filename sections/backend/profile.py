@@ -5,7 +5,6 @@ would."""
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ import keras
 import tensorflow as tf
 
 from ..schedule.planner import DOES_NOT_FIT
+from .device import release
 from .lean import lean_scope
 from .memory import MemoryMeter
 from .relaxed import RelaxedFunction
@@ -147,9 +147,8 @@ class SectionProbe:
             # end of the chain, where it stands for the loss's gradient on the logits.
             upstream = 0 if last else nbytes(self.border(stop))
         except tf.errors.ResourceExhaustedError as err:  # the device has no memory for it: no plan runs it
-            err.__traceback__ = None
             h = snapshot = None
-            gc.collect()
+            release(err)
             self.measured[(start, stop)], self.spread[(start, stop)] = DOES_NOT_FIT, 0
             return
         scale = self.real / self.pb
