@@ -48,6 +48,7 @@ import keras
 import tensorflow as tf
 
 from ..rules import check_lean
+from . import attention
 from .graph_gradient import custom_gradient
 
 __all__ = ["lean_scope", "lean_active", "LEAN_LAYERS", "gradient_traces"]
@@ -419,7 +420,9 @@ def _runs_lean(layer_type: type, cls: type) -> bool:
 
 
 def _install() -> None:
-    """Route each supported class's ``call`` through its lean version when ``lean_scope`` is on (once)."""
+    """Route each supported class's ``call`` (and ``MultiHeadAttention._compute_attention``) through its lean
+    version when ``lean_scope`` is on (once)."""
+    _install_attention()
     for cls, lean in LEAN_LAYERS.items():
         if cls in _installed:
             continue
@@ -435,3 +438,21 @@ def _install() -> None:
 
         _installed[cls] = original
         cls.call = call
+
+
+def _install_attention() -> None:
+    cls = keras.layers.MultiHeadAttention
+    if "attention" in _installed:
+        return
+    original = cls._compute_attention
+
+    @functools.wraps(original)
+    def compute_attention(self, *args, __original=original, **kwargs):
+        if lean_active():
+            out = attention.mha_compute_attention(self, __original, *args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return __original(self, *args, **kwargs)
+
+    _installed["attention"] = original
+    cls._compute_attention = compute_attention

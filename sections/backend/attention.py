@@ -1,0 +1,279 @@
+"""Lean attention: dot-product attention whose backward keeps its query, key and value, never the n x n scores.
+
+``attention(q, k, v, ...)`` computes ``softmax(q k^T * scale, masked) v`` (with dropout on the weights) a block of
+query rows at a time, in the forward and again in the backward: the backward re-makes each block's scores,
+softmax and dropout result from ``q``, ``k`` and ``v`` and turns them into that block's gradients before the next
+block starts. No ``batch x heads x n x n`` tensor is held whole, in the forward or the backward: at most one
+block's (``QUERY_BLOCK`` rows). The math is Keras's (``MultiHeadAttention._compute_attention``): the query
+scaled first, masked scores filled with Keras's large negative number, masked weights zeroed after the softmax.
+
+Dropout: the keep mask of every block is the slice of the mask that Keras's own dropout draws for the whole
+weights tensor from the same seed (``tf.nn.experimental.stateless_dropout``: TensorFlow's Philox generator,
+skipped to the block's first element), so a step equals Keras's, dropout included, and the backward replays
+the forward's mask exactly. Where the generator is not Philox (a TPU), or shapes are not known when tracing,
+the layer runs Keras's own computation.
+
+Inside ``lean_scope`` (on with ``lean=True`` and ``"recompute"``) every ``keras.layers.MultiHeadAttention`` (and a
+subclass that keeps its ``_compute_attention``, such as keras-hub's ``CachedMultiHeadAttention`` in GPT-2, BERT
+and ViT) runs it; a call asking for the attention scores, or with attention axes other than the sequence, runs
+Keras's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import keras
+import tensorflow as tf
+
+from .graph_gradient import custom_gradient
+
+__all__ = ["attention", "QUERY_BLOCK", "attention_traces"]
+
+QUERY_BLOCK = 256  # query rows per block: a block's scores are batch x heads x QUERY_BLOCK x keys
+_PHILOX = 1  # tf.random.Algorithm.PHILOX
+_traces = {"forward": 0, "backward": 0}
+
+
+def attention_traces() -> dict:
+    """How many lean attention forwards and backwards were traced so far (tests read it to prove the path ran)."""
+    return dict(_traces)
+
+
+def attention(q, k, v, *, scale: float, mask=None, causal: bool = False, dropout: float = 0.0, seed=None,
+              style: str = "explicit", block: int | None = None):
+    """``[B, T, N, H] x [B, S, N, H] x [B, S, N, Hv] -> [B, T, N, Hv]``, a query block at a time.
+
+    Args:
+        scale: the scores' factor (Keras: ``1 / sqrt(key_dim)``).
+        mask: boolean (or 0/1), broadcastable to ``[B, T, S]`` (rank 3) or ``[B, N, T, S]``; False: not attended.
+        causal: position ``t`` attends to ``s <= t`` only (with ``mask``, both apply).
+        dropout: the rate on the attention weights; ``seed``: the int32 ``[2]`` seed Keras's dropout would use.
+        style: whose rounding to follow, one of ``STYLES``: ``"explicit"`` (Keras's ``MultiHeadAttention``
+            with dropout: the query scaled in its dtype, the softmax in the scores' dtype, masked scores filled
+            with -1e9 (-3e4 in float16) and masked weights zeroed); ``"fused"`` (Keras's
+            ``ops.dot_product_attention``: scores cast to at least float32, then scaled, softmax there, masked
+            scores filled with -0.7 x the dtype's largest, fully masked rows uniform); ``"float32"`` (the
+            runner's ``gpt``: as ``fused`` with the float32 minimum as the fill).
+        block: query rows per block (default ``QUERY_BLOCK``).
+    """
+    if style not in STYLES:
+        raise ValueError(f"style={style!r}: must be one of {STYLES}")
+    q, k, v = (tf.convert_to_tensor(t) for t in (q, k, v))
+    args = [q, k, v]
+    if mask is not None:
+        mask = tf.convert_to_tensor(mask)
+        mask = mask if mask.dtype == tf.bool else tf.greater(mask, tf.cast(0.5, mask.dtype))
+        mask = mask[:, tf.newaxis] if mask.shape.rank == 3 else mask
+        args.append(mask)
+    if dropout > 0.0:
+        args.append(tf.cast(seed, tf.int32))
+    spec = _Spec(scale=float(scale), causal=bool(causal), rate=float(dropout), has_mask=mask is not None,
+                 style=style, rows=int(block or QUERY_BLOCK))
+    return _lean(spec)(*args)
+
+
+STYLES = ("explicit", "fused", "float32")
+
+
+class _Spec:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def _lean(spec):
+    @custom_gradient
+    def lean_attention(q, k, v, *extra):
+        mask = extra[0] if spec.has_mask else None
+        seed = extra[-1] if spec.rate > 0 else None
+        _traces["forward"] += 1
+        blocks = _blocks(q.shape[1], spec.rows)
+        outs, after = [], []
+        for t0, t1 in blocks:
+            with tf.control_dependencies(after):  # one block at a time: each waits for the one before
+                _, _, pd = _weights(spec, q, k, v, mask, seed, t0, t1)
+                out = tf.einsum("bnts,bsnh->btnh", pd, v)
+            outs.append(out)
+            after = [out]
+        y = outs[0] if len(outs) == 1 else tf.concat(outs, axis=1)
+
+        def grad(dy):
+            _traces["backward"] += 1
+            dq_blocks, dk, dv, after = [], None, None, [dy]  # nothing runs before dy: else during the forward
+            for t0, t1 in blocks:
+                with tf.control_dependencies(after):
+                    qs, p, pd = _weights(spec, q, k, v, mask, seed, t0, t1, keep=True)
+                    do = dy[:, t0:t1]
+                    dv_b = tf.einsum("bnts,btnh->bsnh", pd, do)
+                    dpd = tf.einsum("btnh,bsnh->bnts", do, v)
+                    dp = dpd if spec.rate <= 0 else dpd * p.keep
+                    if p.where is not None and spec.style == "explicit":
+                        dp = tf.where(p.where, dp, tf.zeros_like(dp))
+                    dp = tf.cast(dp, p.soft.dtype)
+                    ds = p.soft * (dp - tf.reduce_sum(dp * p.soft, axis=-1, keepdims=True))
+                    if p.where is not None:  # a fully masked row's uniform weights pass nothing to its scores
+                        ds = tf.where(p.where, ds, tf.zeros_like(ds))
+                    if spec.style == "explicit":
+                        ds = tf.cast(ds, q.dtype)
+                        dq_b = tf.einsum("bnts,bsnh->btnh", ds, k) * tf.constant(spec.scale, q.dtype)
+                    else:  # the scale is applied to the scores, after the cast
+                        ds = tf.cast(ds * tf.constant(spec.scale, ds.dtype), q.dtype)
+                        dq_b = tf.einsum("bnts,bsnh->btnh", ds, k)
+                    dk_b = tf.einsum("bnts,btnh->bsnh", ds, qs)
+                    dk = dk_b if dk is None else dk + dk_b
+                    dv = dv_b if dv is None else dv + dv_b
+                dq_blocks.append(dq_b)
+                after = [dq_b, dk, dv]
+            dq = dq_blocks[0] if len(dq_blocks) == 1 else tf.concat(dq_blocks, axis=1)
+            return [dq, dk, dv] + [None] * len(extra)
+
+        return y, grad
+
+    return lean_attention
+
+
+def _blocks(rows: int, size: int) -> list[tuple[int, int]]:
+    return [(t0, min(rows, t0 + size)) for t0 in range(0, rows, size)]
+
+
+class _Weights:
+    """A block's softmax (``soft``, the softmax dtype), the positions attended (``where``) and the scaled keep
+    mask (``keep``), for its backward."""
+
+    def __init__(self, soft, where, keep):
+        self.soft, self.where, self.keep = soft, where, keep
+
+
+def _weights(spec, q, k, v, mask, seed, t0, t1, keep=False):
+    """Rows ``t0:t1``: the query block as the scores read it, the softmax (a ``_Weights`` when ``keep``) and the
+    dropped-out weights in ``v``'s dtype, rounded as ``spec.style`` says."""
+    if spec.style == "explicit":
+        qs = q[:, t0:t1] * tf.constant(spec.scale, q.dtype)
+        s = tf.einsum("btnh,bsnh->bnts", qs, k)
+    else:
+        qs = q[:, t0:t1]
+        s = tf.einsum("btnh,bsnh->bnts", qs, k)
+        s = tf.cast(s, tf.float64 if s.dtype == tf.float64 else tf.float32)
+        s = s * tf.constant(spec.scale, s.dtype)
+    where = _attended(spec, mask, t0, t1, tf.shape(k)[1])
+    if where is not None:
+        s = tf.where(where, s, _fill(spec.style, s.dtype))
+    soft = tf.nn.softmax(s, axis=-1)
+    del s
+    if where is not None and spec.style == "explicit":
+        soft = tf.where(where, soft, tf.zeros_like(soft))
+    p = tf.cast(soft, v.dtype)
+    scaled_keep = None
+    if spec.rate > 0:
+        scaled_keep = _keep(spec.rate, seed, tf.shape(q), tf.shape(k)[1], t0, t1, p.dtype)
+        pd = p * scaled_keep
+    else:
+        pd = p
+    return qs, (_Weights(soft, where, scaled_keep) if keep else None), pd
+
+
+def _fill(style, dtype):
+    """The masked scores' value: Keras's ``Softmax`` layer's, ``ops.dot_product_attention``'s, or float32's minimum."""
+    if style == "explicit":
+        return tf.constant(-3e4 if dtype == tf.float16 else -1e9, dtype)
+    if style == "fused":
+        return tf.constant((65500.0 if dtype == tf.float16 else 3.38953e38) * -0.7, dtype)
+    return tf.constant(dtype.min, dtype)
+
+
+def _attended(spec, mask, t0, t1, keys):
+    """The block's boolean ``[B|1, N|1, t1-t0, S]`` attended positions, or None when everything is."""
+    where = None
+    if mask is not None:
+        where = mask if mask.shape[2] == 1 else mask[:, :, t0:t1]
+    if spec.causal:
+        rows = tf.range(t0, t1)[:, tf.newaxis]
+        causal = (tf.range(keys)[tf.newaxis, :] <= rows)[tf.newaxis, tf.newaxis]
+        where = causal if where is None else tf.logical_and(where, causal)
+    return where
+
+
+def _keep(rate, seed, q_shape, keys, t0, t1, dtype):
+    """Rows ``t0:t1`` of ``stateless_dropout``'s scaled keep mask for the whole ``[B, N, T, S]`` weights: each
+    (batch, head) row range is a contiguous run of the full tensor's uniform draws, made by Philox skipped to it."""
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    alg = tf.raw_ops.StatelessRandomGetAlg()
+    batch, rows, heads = q_shape[0], q_shape[1], q_shape[2]
+    keys64 = tf.cast(keys, tf.int64)
+    length = (t1 - t0) * keys64
+    per_step = 2 if dtype == tf.float64 else 4  # one Philox step: four 32-bit words, two per float64 draw
+
+    def one(bn):
+        start = (tf.cast(bn, tf.int64) * tf.cast(rows, tf.int64) + t0) * keys64
+        group, skip = start // per_step, start % per_step
+        u = tf.raw_ops.StatelessRandomUniformV2(shape=tf.reshape(skip + length, [1]), key=key,
+                                                counter=_add(counter, group), alg=alg, dtype=dtype)
+        return u[skip:]
+
+    draws = tf.map_fn(one, tf.range(batch * heads), fn_output_signature=tf.TensorSpec([None], dtype))
+    draws = tf.reshape(draws, [batch, heads, t1 - t0, keys])
+    # stateless_dropout: x * (1 / (1 - rate)) * cast(draw >= rate)
+    return tf.constant(1.0 / (1.0 - rate), dtype) * tf.cast(draws >= tf.constant(rate, dtype), dtype)
+
+
+def _add(counter, steps):
+    """Philox's 128-bit counter (two uint64 words, low first) advanced by ``steps``."""
+    steps = tf.cast(steps, tf.uint64)
+    low = counter[0] + steps
+    carry = tf.cast(low < steps, tf.uint64)
+    return tf.stack([low, counter[1] + carry])
+
+
+@functools.cache
+def philox() -> bool:
+    """Whether TensorFlow's stateless random ops here use Philox (CPUs and GPUs; TPUs use ThreeFry)."""
+    with tf.init_scope():  # eagerly, also while tracing
+        return int(tf.raw_ops.StatelessRandomGetAlg()) == _PHILOX
+
+
+# ---------------------------------------------------------------------------------------------- Keras layers
+def keras_settings(layer) -> dict | None:
+    """What ``MultiHeadAttention._compute_attention`` reads from its layer (scale, dropout and its seed
+    generator), or None where the layer's attention is not over the sequence axis (other ``attention_axes``)."""
+    if getattr(layer, "_dot_product_equation", None) != "aecd,abcd->acbe":
+        return None
+    return {"scale": float(layer._inverse_sqrt_key_dim), "rate": float(layer._dropout),
+            "seeds": getattr(getattr(layer, "_dropout_layer", None), "seed_generator", None)}
+
+
+def draw_seed(generator) -> tf.Tensor:
+    """The int32 seed Keras's dropout draws from ``generator`` (advancing it as Keras's does)."""
+    seed = generator.next()
+    if seed.dtype != tf.int32:  # keras.src.backend.tensorflow.random._cast_seed
+        seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
+    return seed
+
+
+def mha_compute_attention(layer, original, query, key, value, attention_mask=None, training=None,
+                          return_attention_scores=False, use_causal_mask=False):
+    """``MultiHeadAttention._compute_attention`` by ``attention``, or ``NotImplemented`` to run Keras's own."""
+    settings = keras_settings(layer)
+    if (settings is None or return_attention_scores or not _static(query, key, value)
+            or not query.dtype.is_floating):
+        return NotImplemented
+    rate = settings["rate"] if training else 0.0
+    if settings["rate"] > 0 and training is None:
+        return NotImplemented  # Keras's dropout would resolve it from the call context
+    if rate > 0 and (settings["seeds"] is None or not philox()):
+        return NotImplemented
+    seed = draw_seed(settings["seeds"]) if rate > 0 else None
+    # Keras runs ops.dot_product_attention without dropout, its own softmax-and-dropout path with it.
+    out = attention(query, key, value, scale=settings["scale"], mask=attention_mask,
+                    causal=bool(use_causal_mask) and attention_mask is None, dropout=rate, seed=seed,
+                    style="explicit" if settings["rate"] > 0 else "fused")
+    return out, None
+
+
+def _static(*tensors) -> bool:
+    return all(isinstance(t, tf.Tensor) and t.shape.rank == 4 and t.shape[1] is not None and t.shape[-1] is not None
+               for t in tensors)
+
+
+def scale_for(head_dim: int) -> float:
+    return 1.0 / math.sqrt(float(head_dim))
