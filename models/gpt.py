@@ -14,7 +14,7 @@ import math
 import keras
 import tensorflow as tf
 
-from sections import Network
+from sections import Network, lean_attention, lean_attention_active
 
 from .losses import classification_accuracy, classification_loss
 from ._util import SeedStream, check_int, check_rate, reject_data_args, serializable
@@ -90,6 +90,11 @@ class CausalSelfAttention(keras.layers.Layer):
         batch, time = tf.shape(x)[0], tf.shape(x)[1]
         head_dim = self.d_model // self.num_heads
         qkv = tf.reshape(self.qkv(x), [batch, time, 3, self.num_heads, head_dim])
+        if lean_attention_active():  # the engine's lean scope: no [time, time] tensor kept for the backward
+            y = lean_attention(*tf.unstack(qkv, axis=2), scale=1.0 / math.sqrt(head_dim), causal=True,
+                               dropout=self.dropout if training else 0.0, seed_generator=getattr(self.drop, "seed_generator", None))
+            if y is not None:
+                return self.out(tf.reshape(y, [batch, time, self.d_model]))
         q, k, v = (tf.transpose(t, [0, 2, 1, 3]) for t in tf.unstack(qkv, axis=2))  # [batch, heads, time, dim]
         scores = tf.cast(tf.matmul(q, k, transpose_b=True), tf.float32) / math.sqrt(head_dim)
         causal = tf.linalg.band_part(tf.ones([time, time], tf.bool), -1, 0)

@@ -22,14 +22,13 @@ Keras's own.
 from __future__ import annotations
 
 import functools
-import math
 
 import keras
 import tensorflow as tf
 
 from .graph_gradient import custom_gradient
 
-__all__ = ["attention", "QUERY_BLOCK", "attention_traces"]
+__all__ = ["attention", "lean_attention", "lean_attention_active", "QUERY_BLOCK", "attention_traces"]
 
 QUERY_BLOCK = 256  # query rows per block: a block's scores are batch x heads x QUERY_BLOCK x keys
 _PHILOX = 1  # tf.random.Algorithm.PHILOX
@@ -275,5 +274,21 @@ def _static(*tensors) -> bool:
                for t in tensors)
 
 
-def scale_for(head_dim: int) -> float:
-    return 1.0 / math.sqrt(float(head_dim))
+def lean_attention_active() -> bool:
+    """Whether attention should run lean here: inside the engine's ``lean_scope`` (``lean=True`` or
+    ``"recompute"``), while tracing a training function."""
+    from .lean import lean_active
+    return lean_active() and tf.inside_function()
+
+
+def lean_attention(q, k, v, *, scale: float, causal: bool = False, mask=None, dropout: float = 0.0,
+                   seed_generator=None, style: str = "float32"):
+    """``attention`` for a model's own attention layer: with ``dropout > 0`` it draws its seed from
+    ``seed_generator`` as a Keras ``Dropout`` layer with that generator would (so the keep mask is the one that
+    layer would draw on the weights). None where shapes are not known while tracing (run your own then)."""
+    if not _static(q, k, v):
+        return None
+    if dropout > 0 and (seed_generator is None or not philox()):
+        return None
+    seed = draw_seed(seed_generator) if dropout > 0 else None
+    return attention(q, k, v, scale=scale, causal=causal, mask=mask, dropout=dropout, seed=seed, style=style)
