@@ -86,7 +86,8 @@ def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, 
         optimizer = wrap_optimizer(instantiate(cfg.optimizer, "optimizer"), cfg.train.precision)
     engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
     batches = train_iterator(data, batch, cfg.train.seed, strategy) if worker_shard(strategy) is None else None
-    probe = next_batch(batches if batches is not None else iter(data.train_batches(batch, cfg.train.seed)))
+    probe = next_batch(batches if batches is not None else iter(data.train_batches(batch, cfg.train.seed)),
+                       data)
     try:
         engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections,
                              _convert_="all",  # a plain list of boundary names, not a ListConfig

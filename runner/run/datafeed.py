@@ -19,6 +19,8 @@ from runner.errors import RunnerError
 log = logging.getLogger("runner")
 _OP_NOISE = re.compile(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]|\s*\[\[\{\{node [^]]*\]\]")
 _ASSERTION = re.compile(r"assertion failed: \[(.*)\]\s*$")
+_NAME = re.compile(r"\s*name:\s*$")  # what an eager iterator's error ends with
+_READING = "data: reading the input failed: "
 
 
 class DataError(RunnerError):
@@ -52,22 +54,27 @@ def worker_shard(strategy) -> tuple[int, int] | None:
     return min(int(i) for i in ids) // local, total // local
 
 
-def next_batch(iterator):
-    """`next(iterator)`, with a failure inside the input pipeline reported as one DataError line."""
+def next_batch(iterator, data=None):
+    """`next(iterator)`, with a failure inside the input pipeline reported as one DataError line (naming the file or
+    record, which `data` finds where TensorFlow's error does not say it)."""
     import tensorflow as tf
 
     try:
         return next(iterator)
     except tf.errors.OpError as err:
-        raise DataError(message(err)) from err
+        line = message(err)
+        if line.startswith(_READING) and hasattr(data, "find_unreadable"):
+            log.info("data: reading the input failed without naming a file; looking for it")
+            line = data.find_unreadable() or line
+        raise DataError(line) from err
 
 
-def checked(dataset):
+def checked(dataset, data=None):
     """Iterate `dataset`, reporting input-pipeline failures as DataError."""
     iterator = iter(dataset)
     while True:
         try:
-            batch = next_batch(iterator)
+            batch = next_batch(iterator, data)
         except StopIteration:
             return
         yield batch
@@ -80,7 +87,7 @@ def message(err) -> str:
     own = _ASSERTION.search(text)
     if own:  # TensorFlow escapes the quotes of the message it prints
         return own.group(1).replace("\\'", "'").replace('\\"', '"')
-    return f"data: reading the input failed: {text[:300]}"
+    return f"{_READING}{_NAME.sub('', text)[:300]}"
 
 
 def record(data) -> dict:

@@ -71,7 +71,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
                        telemetry, ProgressHook(progress, cfg.batch), evaluation,
                        Checkpointing(checkpoints, train.checkpoint_every, train.steps),
                        SignalStop(checkpoints, train.checkpoint_every, train.steps, out)])
-        step = _loop(engine, batches, hooks, start, train.steps, first)
+        step = _loop(engine, batches, hooks, start, train.steps, first, data)
         model_files.final(step)
         history, results = telemetry.history, evaluation.results
         metrics = {**describe_setup(engine, cfg.batch), **exactness,
@@ -94,9 +94,9 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
     return metrics[metrics["metric"]]
 
 
-def _loop(engine, batches, hooks: Hooks, start: int, steps: int, first=None) -> int:
+def _loop(engine, batches, hooks: Hooks, start: int, steps: int, first=None, data=None) -> int:
     """Steps `start + 1 .. steps`, the hooks around each (`first`: the first step's batch, already taken from
-    `batches`); returns the last step run."""
+    `batches`; `data`: the source, to name a file that fails); returns the last step run."""
     from sections import BudgetExceededError, OutOfMemory, ReplayMismatchError
 
     from runner.run import datafeed
@@ -105,7 +105,7 @@ def _loop(engine, batches, hooks: Hooks, start: int, steps: int, first=None) -> 
     hooks.on_train_begin()
     try:
         for step in range(start + 1, steps + 1):
-            batch, first = (first, None) if first is not None else (datafeed.next_batch(batches), None)
+            batch, first = (first, None) if first is not None else (datafeed.next_batch(batches, data), None)
             hooks.on_step_begin(step)
             began = time.perf_counter()
             try:
@@ -203,7 +203,7 @@ def evaluate(engine, data, batch_size: int) -> dict:
     from runner.run.datafeed import checked
 
     totals, count = {}, 0
-    for batch in checked(data.eval_batches(batch_size)):
+    for batch in checked(data.eval_batches(batch_size), data):
         size = int(next(iter(batch.values())).shape[0])
         for key, value in engine.evaluate(batch).items():
             totals[key] = totals.get(key, 0.0) + float(value) * size
