@@ -57,11 +57,11 @@ def rows_signature(rows) -> str:
 
 def compare(old: dict, new: dict) -> list[str]:
     """What differs between two fingerprints, as short phrases (empty: the same data)."""
-    found = []
+    found, renamed = [], {}
     if "classes" in old or "classes" in new:
-        found += _classes(old.get("classes") or {}, new.get("classes") or {})
+        found += _classes(old.get("classes") or {}, new.get("classes") or {}, renamed)
     if "files" in old or "files" in new:
-        found += _files(old.get("files") or {}, new.get("files") or {})
+        found += _files(_renamed(old.get("files") or {}, renamed), new.get("files") or {})
     if "arrays" in old or "arrays" in new:
         found += _arrays(old.get("arrays") or {}, new.get("arrays") or {})
     if old.get("rows") != new.get("rows") and "rows" in old and "rows" in new:
@@ -76,7 +76,17 @@ def compare(old: dict, new: dict) -> list[str]:
     return found
 
 
-def _classes(old: dict, new: dict) -> list[str]:
+def _renamed(files: dict, renamed: dict) -> dict:
+    """File names with a renamed class folder's new name (its files are then compared as themselves)."""
+    if not renamed:
+        return files
+    def name(n):
+        head, sep, tail = n.partition("/")
+        return renamed.get(head, head) + sep + tail
+    return {split: {name(n): sig for n, sig in names.items()} for split, names in files.items()}
+
+
+def _classes(old: dict, new: dict, renamed: dict) -> list[str]:
     gone = sorted(set(old) - set(new), key=old.get)
     added = sorted(set(new) - set(old), key=new.get)
     by_number = {v: k for k, v in new.items()}
@@ -85,6 +95,7 @@ def _classes(old: dict, new: dict) -> list[str]:
         other = by_number.get(old[name])
         if other in added:  # the same number under another name: a folder renamed
             out.append(f"class {name!r} (number {old[name]}) is now {other!r}")
+            renamed[name] = other
             gone.remove(name)
             added.remove(other)
     if gone:

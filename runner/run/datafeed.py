@@ -3,7 +3,8 @@
     batches = train_iterator(data, batch, seed, strategy)   # iter(data.train_batches(...)), sharded per worker
     batch = next_batch(batches)                             # a data failure (corrupt file ...) is a DataError
     for batch in checked(data.eval_batches(n)): ...
-    write_record(out, data)                                 # data.json: class names, sizes, rescale, skipped files
+    data, changes = resumed_data(cfg, data, rebuild)        # resume=: the data compared with the run's fingerprint
+    write_record(out, data, resumed, changes)               # data.json and data_fingerprint.json
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import re
 from pathlib import Path
 
-from runner.errors import RunnerError
+from runner.errors import ConfigError, RunnerError
 
 log = logging.getLogger("runner")
 _OP_NOISE = re.compile(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]|\s*\[\[\{\{node [^]]*\]\]")
@@ -96,7 +97,77 @@ def record(data) -> dict:
     return dict(info) if isinstance(info, dict) else {}
 
 
-def write_record(out: Path, data) -> None:
-    info = record(data)
-    if info:
-        (Path(out) / "data.json").write_text(json.dumps(info, indent=1))
+FINGERPRINT = "data_fingerprint.json"
+
+
+def fingerprint(data) -> dict | None:
+    """What the data is (files, classes, arrays, shards: `models.data._fingerprint`), where the source says."""
+    get = getattr(data, "fingerprint", None)
+    return get() if callable(get) else None
+
+
+def resumed_data(cfg, data, rebuild) -> tuple[object, list[str]]:
+    """On `resume=`: `data` compared with the run's `data_fingerprint.json`; returns the data to train on and what
+    changed. A change is refused in one line naming it, unless `resume_data=changed`: then the run continues on
+    the new data, its class numbers kept as the run had them (`rebuild(class_names=...)` builds it so)."""
+    if cfg.get("resume") is None:
+        return data, []
+    from models.data import compare_fingerprints
+
+    new, old = fingerprint(data), _read_json(Path(str(cfg.resume)) / FINGERPRINT)
+    if new is None:
+        return data, []
+    if old is None:
+        log.warning(f"resume: {cfg.resume} holds no {FINGERPRINT} (a run of an earlier runner): the data it "
+                    f"continues on cannot be compared with the run's; it is recorded from now on")
+        return data, []
+    changes = compare_fingerprints(old, new)
+    if not changes:
+        return data, []
+    said = "; ".join(changes)
+    if cfg.get("resume_data", "same") != "changed":
+        raise ConfigError("resume", cfg.resume, f"the data changed since that run: {said}; a resume continues on "
+                          f"the run's own data: restore it, or give resume_data=changed to continue on this data "
+                          f"knowingly (class numbers kept as the run had them)")
+    log.warning(f"resume: the data changed since that run: {said}; continuing on it (resume_data=changed)")
+    classes = old.get("classes")
+    if classes and classes != new.get("classes"):
+        data = rebuild(class_names=[name for name, _ in sorted(classes.items(), key=lambda item: item[1])])
+        numbers = getattr(data, "class_names", None) or []
+        log.warning(f"resume: class numbers kept as the run had them: "
+                    + ", ".join(f"{i} {name}" for i, name in enumerate(numbers)))
+    return data, changes
+
+
+def write_record(out: Path, data, resumed: bool = False, changes=()) -> None:
+    """`data.json` (the source's `info`) and `data_fingerprint.json`; on a resume that continues on changed data
+    the run's previous ones are kept as `data.<n>.json` and `data_fingerprint.<n>.json`."""
+    from runner.platform.files import keep_copy, write_atomic
+
+    out = Path(out)
+    files = {"data.json": record(data), FINGERPRINT: fingerprint(data)}
+    if resumed and changes:
+        n = 1
+        while any((out / _numbered(name, n)).exists() for name in files):
+            n += 1
+        for name in files:
+            if (out / name).is_file():
+                keep_copy(out / name, out / _numbered(name, n))
+        log.info(f"resume: the run's previous data record kept as {_numbered('data.json', n)} and "
+                 f"{_numbered(FINGERPRINT, n)}")
+    for name, value in files.items():
+        if value:
+            write_atomic(out / name, json.dumps(value, indent=1))
+
+
+def _numbered(name: str, n: int) -> str:
+    stem, _, suffix = name.rpartition(".")
+    return f"{stem}.{n}.{suffix}"
+
+
+def _read_json(path: Path):
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
