@@ -59,7 +59,8 @@ def compare(old: dict, new: dict) -> list[str]:
     """What differs between two fingerprints, as short phrases (empty: the same data)."""
     found, renamed = [], {}
     if "classes" in old or "classes" in new:
-        found += _classes(old.get("classes") or {}, new.get("classes") or {}, renamed)
+        found += _classes(old.get("classes") or {}, new.get("classes") or {}, renamed,
+                          old.get("files") or {}, new.get("files") or {})
     if "files" in old or "files" in new:
         found += _files(_renamed(old.get("files") or {}, renamed), new.get("files") or {})
     if "arrays" in old or "arrays" in new:
@@ -86,14 +87,16 @@ def _renamed(files: dict, renamed: dict) -> dict:
     return {split: {name(n): sig for n, sig in names.items()} for split, names in files.items()}
 
 
-def _classes(old: dict, new: dict, renamed: dict) -> list[str]:
+def _classes(old: dict, new: dict, renamed: dict, old_files: dict, new_files: dict) -> list[str]:
     gone = sorted(set(old) - set(new), key=old.get)
     added = sorted(set(new) - set(old), key=new.get)
     by_number = {v: k for k, v in new.items()}
     out = []
     for name in list(gone):
-        other = by_number.get(old[name])
-        if other in added:  # the same number under another name: a folder renamed
+        mine = _members(old_files, name)
+        same = [a for a in added if mine and _members(new_files, a) == mine]
+        other = same[0] if same else by_number.get(old[name]) if not old_files else None
+        if other in added:  # the same files (or, without files, the same number) under another name: renamed
             out.append(f"class {name!r} (number {old[name]}) is now {other!r}")
             renamed[name] = other
             gone.remove(name)
@@ -106,6 +109,12 @@ def _classes(old: dict, new: dict, renamed: dict) -> list[str]:
     if moved:
         out.append(f"class numbers changed ({', '.join(moved[:3])})")
     return out
+
+
+def _members(files: dict, folder: str) -> set:
+    """The files of one class folder, by their names inside it and their signatures."""
+    prefix = folder + "/"
+    return {(n[len(prefix):], sig) for names in files.values() for n, sig in names.items() if n.startswith(prefix)}
 
 
 def _files(old: dict, new: dict) -> list[str]:

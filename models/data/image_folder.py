@@ -306,8 +306,9 @@ def number_classes(found: list[str], given, path: str) -> list[str]:
 
 
 def _labelled(listing: Listing, index: dict) -> tuple[list[str], np.ndarray]:
-    return ([f for fs in listing.files for f in fs],
-            np.array([index[c] for c, fs in zip(listing.classes, listing.files) for _ in fs], np.int32))
+    """Files and labels in class-number order (the split draws from this order: a renamed class keeps it)."""
+    order = sorted(zip(listing.classes, listing.files), key=lambda item: index[item[0]])
+    return [f for _, fs in order for f in fs], np.array([index[c] for c, fs in order for _ in fs], np.int32)
 
 
 def _split(examples, fraction: float, seed: int, path: str):

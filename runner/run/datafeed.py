@@ -108,8 +108,9 @@ def fingerprint(data) -> dict | None:
 
 def resumed_data(cfg, data, rebuild) -> tuple[object, list[str]]:
     """On `resume=`: `data` compared with the run's `data_fingerprint.json`; returns the data to train on and what
-    changed. A change is refused in one line naming it, unless `resume_data=changed`: then the run continues on
-    the new data, its class numbers kept as the run had them (`rebuild(class_names=...)` builds it so)."""
+    changed. The data is numbered as the run numbered its classes (`rebuild(class_names=...)`, where the source
+    takes them). A change is refused in one line naming it, unless `resume_data=changed`: then the run continues
+    on the new data."""
     if cfg.get("resume") is None:
         return data, []
     from models.data import compare_fingerprints
@@ -121,6 +122,13 @@ def resumed_data(cfg, data, rebuild) -> tuple[object, list[str]]:
         log.warning(f"resume: {cfg.resume} holds no {FINGERPRINT} (a run of an earlier runner): the data it "
                     f"continues on cannot be compared with the run's; it is recorded from now on")
         return data, []
+    classes = old.get("classes")
+    if classes and classes != new.get("classes"):  # the run's numbering, where the source can follow it
+        try:
+            data = rebuild(class_names=[name for name, _ in sorted(classes.items(), key=lambda item: item[1])])
+            new = fingerprint(data)
+        except ConfigError:
+            pass  # more classes than numbers: the comparison names them
     changes = compare_fingerprints(old, new)
     if not changes:
         return data, []
@@ -130,9 +138,7 @@ def resumed_data(cfg, data, rebuild) -> tuple[object, list[str]]:
                           f"the run's own data: restore it, or give resume_data=changed to continue on this data "
                           f"knowingly (class numbers kept as the run had them)")
     log.warning(f"resume: the data changed since that run: {said}; continuing on it (resume_data=changed)")
-    classes = old.get("classes")
     if classes and classes != new.get("classes"):
-        data = rebuild(class_names=[name for name, _ in sorted(classes.items(), key=lambda item: item[1])])
         numbers = getattr(data, "class_names", None) or []
         log.warning(f"resume: class numbers kept as the run had them: "
                     + ", ".join(f"{i} {name}" for i, name in enumerate(numbers)))
