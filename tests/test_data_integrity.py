@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ from omegaconf import OmegaConf
 from models import data
 from runner.errors import ConfigError
 from runner.run import datafeed
-from test_data_sources import CHEAP, one_line, runner, write_folder, write_shards
+from test_data_sources import CHEAP, ROOT, one_line, runner, write_folder, write_shards
 
 SHARD = dict(image_key="img", label_key="cls", num_classes=3)
 
@@ -244,3 +246,12 @@ def test_through_the_runner_a_renamed_class_is_refused_and_a_lost_model_keras_is
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "writing the missing model.keras without training further" in proc.stdout + proc.stderr
     assert (run / "model.keras").is_file() and json.loads((run / "metrics.json").read_text())["step"] == 4
+
+
+@pytest.mark.slow  # ~20 s: every case of the probe
+def test_the_data_probe_finds_no_case_silently_wrong():
+    proc = subprocess.run([sys.executable, str(ROOT / "docs" / "probe" / "data_probe.py")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert proc.returncode == 0 and lines[-1] == "0 case(s) not held", proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert len(lines) >= 14 and not any("SILENTLY WRONG" in line for line in lines)
