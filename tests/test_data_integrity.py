@@ -231,7 +231,7 @@ def test_a_complete_run_missing_its_final_files_finishes_them_else_asks_for_more
     assert _finishing(tmp_path, OmegaConf.create({"steps": 6}), 4) is False
 
 
-@pytest.mark.slow  # ~40 s: three short runs
+@pytest.mark.slow  # ~50 s: three short runs
 def test_through_the_runner_a_renamed_class_is_refused_and_a_lost_model_keras_is_written_again(tmp_path):
     root, run = write_folder(tmp_path / "imgs", per_class=6), tmp_path / "run"
     proc = runner("data=image_folder", f"data.path={root}", *CHEAP, f"hydra.run.dir={run}")
