@@ -315,8 +315,13 @@ def test_tfrecord_spec_mismatches_name_the_feature(tmp_path):
     with pytest.raises(ValueError, match="data.num_classes=None: give the number of classes"):
         data.tfrecord(files, files, image_key="img", label_key="cls")
     gz = write_shards(tmp_path / "gz", shards=1, per_shard=2, compression="GZIP")
-    with pytest.raises(ValueError, match="not a readable TFRecord file \\(if it is compressed, set data.compression"):
+    with pytest.raises(ValueError) as err:
         data.tfrecord(gz, gz, image_key="img", label_key="cls", num_classes=3)
+    assert "not a readable TFRecord file with data.compression=null" in one_line(err)
+    assert one_line(err).endswith("it looks GZIP-compressed: set data.compression=GZIP.")  # whole, not cut mid-word
+    with pytest.raises(ValueError) as err:
+        data.tfrecord(files, files, image_key="img", label_key="cls", num_classes=3, compression="ZLIB")
+    assert one_line(err).endswith("it does not look ZLIB-compressed: try data.compression=null.")
     np.save(tmp_path / "x.npy", np.zeros(3))
     with pytest.raises(ValueError, match="not a readable TFRecord file"):
         data.tfrecord(str(tmp_path / "x.npy"), files, image_key="img", label_key="cls", num_classes=3)

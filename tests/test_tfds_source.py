@@ -88,6 +88,8 @@ def test_tfds_bad_inputs_are_one_line(prepared, tmp_path):
         (dict(name="tiny_tagged", label_key="image"), "data.label_key='image'"),
         (dict(name="tiny_tagged", train_split="train[30:]"), "selects no examples"),
         (dict(name=""), "give a TensorFlow Datasets name"),
+        (dict(name="tiny_tagged:2.0.0"), "data.name='tiny_tagged:2.0.0': no version 2.0.0 of 'tiny_tagged'; "
+                                         "available: 1.0.0."),
     ]
     for kwargs, expected in cases:
         with pytest.raises(ValueError) as err:
@@ -98,6 +100,23 @@ def test_tfds_bad_inputs_are_one_line(prepared, tmp_path):
         data.tfds(name="mnist", data_dir=str(empty))
     assert "not prepared in" in str(err.value) and "data.download=true" in str(err.value)
     assert "tfds build mnist" in str(err.value) and not empty.exists()
+
+
+def test_a_tfds_shard_cut_short_is_refused_naming_it_or_read_to_its_last_whole_record(prepared, tmp_path):
+    import shutil
+
+    copy = tmp_path / "tfds"
+    shutil.copytree(prepared, copy)
+    shard = next((copy / "tiny_tagged" / "1.0.0").glob("tiny_tagged-train.tfrecord-*"))
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size * 2 // 3])
+    with pytest.raises(ValueError) as err:
+        data.tfds(name="tiny_tagged", data_dir=str(copy))
+    assert f"shard {shard} holds 20 whole records, the data set's info says 30 (cut short)" in str(err.value)
+    assert "\n" not in str(err.value)
+    source = data.tfds(name="tiny_tagged", data_dir=str(copy), skip_corrupt=True)
+    assert (source.train_size, source.test_size, source.info["skipped_corrupt"]) == (20, 9, 1)
+    assert sum(len(b["label"]) for b in source.eval_batches(4)) == 9
+    assert source.fingerprint()["tfds"] == "tiny_tagged 1.0.0" and source.fingerprint()["classes"]["cow"] == 2
 
 
 class SfLocalTiny(tfds.core.GeneratorBasedBuilder):

@@ -1,6 +1,7 @@
 """Data sources: each builder returns an object with ``name``, ``model_args``, ``metric``,
 ``train_batches(batch_size, seed)`` and ``eval_batches(batch_size)`` (see docs/DATA.md)."""
 
+from ._fingerprint import compare as compare_fingerprints
 from ._source import ImageSource
 from ._stream import StreamSource
 from .arrays import ArraySource, arrays
@@ -14,4 +15,4 @@ from .tfds import TFDSSource, tfds
 from .tfrecord import TFRecordSource, tfrecord
 
 __all__ = ["digits", "mnist", "synthetic", "sequences", "text", "image_folder", "arrays", "tfrecord", "tfds", "ImageSource",
-           "StreamSource", "ImageFolderSource", "ArraySource", "TFRecordSource", "TFDSSource", "SequenceSource", "TextSource"]
+           "StreamSource", "compare_fingerprints", "ImageFolderSource", "ArraySource", "TFRecordSource", "TFDSSource", "SequenceSource", "TextSource"]

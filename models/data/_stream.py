@@ -263,6 +263,7 @@ class StreamSource:
         sizes = f"{self.train_size if self.train_size is not None else '?'} train / " \
                 f"{self.test_size if self.test_size is not None else '?'} test"
         skipped = self.info.get("skipped_corrupt")
+        notes = "".join(f", {note}" for note in self.info.get("notes", []))
         values = f"values 0..{self.max_value * self.rescale:g}"
         if self.standardize:
             values += f", then (x - mean {_short(self.standardize[0])}) / std {_short(self.standardize[1])}"
@@ -270,7 +271,24 @@ class StreamSource:
             f"float targets {list(self.target_shape)}"
         return (f"{self.name}: {sizes}, images {list(self.image_shape)}, {labels}, "
                 f"rescale {_fraction(self.rescale)} ({values}){aug}"
-                + (f", {skipped} corrupt file(s) skipped" if skipped else ""))
+                + (f", {skipped} corrupt {self._unit}(s) skipped" if skipped else "")
+                + (f" (e.g. {self.info['corrupt_example']})" if skipped and self.info.get("corrupt_example") else "")
+                + notes)
+
+    _unit = "file"  # what ``skipped_corrupt`` counts
+
+    def fingerprint(self) -> dict | None:
+        """What the data is, for a resume to compare (``_fingerprint``); ``None``: not known. Computed once."""
+        if not hasattr(self, "_fingerprint_cache"):
+            self._fingerprint_cache = self._fingerprint()
+        return self._fingerprint_cache
+
+    def _fingerprint(self) -> dict | None:
+        return None
+
+    def find_unreadable(self) -> str | None:
+        """After a read or decode failure that names no file: which file or record it is, as one line."""
+        return None
 
     def _standardized(self, image):
         if not self.standardize:

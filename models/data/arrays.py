@@ -12,6 +12,7 @@ import zipfile
 import numpy as np
 import tensorflow as tf
 
+from ._fingerprint import array_signature, rows_signature
 from ._stream import StreamSource, parse_augment, parse_rescale, parse_standardize, shuffled_indices
 
 
@@ -25,7 +26,20 @@ class ArraySource(StreamSource):
         self._y = {"train": tf.constant(y_train, label_type), "test": tf.constant(y_test, label_type)}
         self._dtype = tf.as_dtype(x_train.dtype)
         shape = tuple(x_train.shape[1:]) if x_train.ndim == 4 else (*x_train.shape[1:], 1)
+        self._y_values = {"train": y_train, "test": y_test}
+        self._row_values = {"train": train_rows, "test": test_rows}
         super().__init__("arrays", shape, num_classes, len(train_rows), len(test_rows), **kwargs)
+
+    def _fingerprint(self):
+        paths = {"train": self.info["path"], "test": self.info.get("test_path") or self.info["path"]}
+        arrays = {}
+        for split in ("train", "test"):
+            x, y = self._x[split], self._y_values[split]
+            arrays[f"{split} images"] = {"shape": list(x.shape), "dtype": str(x.dtype),
+                                         "content": array_signature(x, paths[split])}
+            arrays[f"{split} labels"] = {"shape": list(y.shape), "dtype": str(y.dtype), "content": array_signature(y)}
+        return {"source": self.name, "arrays": arrays,
+                "rows": {split: rows_signature(rows) for split, rows in self._row_values.items()}}
 
     def _train_stream(self, seed):
         rows, y = self._rows["train"], self._y["train"]

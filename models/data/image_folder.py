@@ -12,6 +12,8 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from ._fingerprint import file_signatures
+from ._source import AUTOTUNE
 from ._stream import (StreamSource, check_image_size, fail_unless, parse_augment, parse_rescale, parse_standardize,
                       shuffled_indices)
 
@@ -29,7 +31,25 @@ class ImageFolderSource(StreamSource):
         self._test_paths, self._test_labels = tf.constant(test[0]), tf.constant(test[1], tf.int32)
         self._resize = resize
         self.class_names = list(class_names)
+        self._files = {"train": list(train[0]), "test": list(test[0])}
         super().__init__("image_folder", image_shape, len(class_names), len(train[0]), len(test[0]), **kwargs)
+
+    def _fingerprint(self):
+        roots = [self.info["path"], self.info.get("test_path") or self.info["path"]]
+        files = {}
+        for (split, paths), root in zip(self._files.items(), roots):
+            names = [os.path.relpath(p, root) for p in paths]
+            files[split] = file_signatures(paths, names)
+        return {"source": self.name, "classes": {n: i for i, n in enumerate(self.class_names)}, "files": files}
+
+    def find_unreadable(self):
+        paths = self._files["train"] + self._files["test"]
+        bad = [p for p, ok in zip(paths, decodes(paths, self.image_shape[2])) if not ok]
+        if not bad:
+            return None
+        more = f" ({len(bad)} such files)" if len(bad) > 1 else ""
+        return (f"data: {bad[0]} cannot be decoded (corrupt){more}; remove it, or set data.skip_corrupt=true to "
+                f"leave such files out (counted)")
 
     def _train_stream(self, seed):
         n = self.train_size
@@ -95,30 +115,107 @@ def file_looks_complete(path: str) -> bool:
     return False
 
 
-def list_classes(root: str, key: str) -> tuple[list[str], list[list[str]]]:
-    """Class names (sorted subfolder names) and, per class, its image files (sorted, subfolders included)."""
+UNREADABLE = (".webp", ".tif", ".tiff", ".heic", ".heif", ".avif", ".jp2", ".jxl", ".ico", ".psd", ".svg")  # images
+# TensorFlow cannot decode: counted and named, never silently left out
+
+
+class Listing:
+    """What walking a data folder found: per class its image files, and what it left out and why."""
+
+    def __init__(self):
+        self.classes: list[str] = []
+        self.files: list[list[str]] = []
+        self.unreadable: list[str] = []  # images of a type TensorFlow cannot decode
+        self.duplicates: list[str] = []  # a file reached a second time (through a link)
+        self.loops: list[str] = []  # folder links back into the data (itself, a parent, another class)
+
+    def notes(self) -> list[str]:
+        """Phrases for the run's header, each naming an example."""
+        out = []
+        if self.unreadable:
+            kinds = sorted({os.path.splitext(f)[1].lower() for f in self.unreadable})
+            out.append(f"{len(self.unreadable)} {'/'.join(kinds)} file(s) left out: TensorFlow cannot decode them "
+                       f"(e.g. {self.unreadable[0]}; convert them to PNG or JPEG)")
+        if self.duplicates:
+            out.append(f"{len(self.duplicates)} file(s) reached twice through links, counted once "
+                       f"(e.g. {self.duplicates[0]})")
+        if self.loops:
+            out.append(f"{len(self.loops)} folder link(s) back into the data not followed (e.g. {self.loops[0]})")
+        return out
+
+
+def list_classes(root: str, key: str) -> Listing:
+    """Class names (sorted subfolder names) and, per class, its image files (sorted, subfolders included).
+
+    Links are followed, but never back into the data already walked (the folder itself, a parent, another
+    class's folder), and a file reached twice is counted once."""
     if not os.path.isdir(root):
         what = "is a file, not a folder" if os.path.exists(root) else "no such folder"
         raise ValueError(f"data.{key}={root!r}: {what}; give a folder with one subfolder of images per class.")
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-    if not classes:
+    listing = Listing()
+    listing.classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    if not listing.classes:
         raise ValueError(f"data.{key}={root!r}: no class subfolders; put each class's images in its own "
                          f"subfolder ({root}/<class>/<image>.png).")
-    files = []
-    for name in classes:
-        found = sorted(os.path.join(d, f) for d, _, names in os.walk(os.path.join(root, name), followlinks=True)
-                       for f in names if f.lower().endswith(EXTENSIONS))
-        if not found:
-            raise ValueError(f"data.{key}: the class folder {os.path.join(root, name)!r} holds no images "
-                             f"({', '.join(EXTENSIONS)}); remove it or add its images.")
-        files.append(found)
-    return classes, files
+    real_root = os.path.realpath(root)
+    class_folders = {os.path.realpath(os.path.join(root, c)) for c in listing.classes}
+    found = [_walk(os.path.join(root, c), real_root, class_folders - {os.path.realpath(os.path.join(root, c))},
+                   listing) for c in listing.classes]
+    owner = {}  # a file reached twice belongs where it is not reached through a link (else: where first reached)
+    for k, entries in enumerate(found):
+        for path, ident, linked in entries:
+            if ident not in owner or (owner[ident][2] and not linked):
+                owner[ident] = (k, path, linked)
+    for k, (name, entries) in enumerate(zip(listing.classes, found)):
+        mine = sorted(path for path, ident, _ in entries if owner[ident][:2] == (k, path))
+        listing.duplicates += [path for path, ident, _ in entries if owner[ident][:2] != (k, path)]
+        if not mine:
+            folder = os.path.join(root, name)
+            odd = [f for f in listing.unreadable if f.startswith(folder + os.sep)]
+            why = f" (only {len(odd)} file(s) of a type TensorFlow cannot decode, e.g. {odd[0]})" if odd else ""
+            raise ValueError(f"data.{key}: the class folder {folder!r} holds no images ({', '.join(EXTENSIONS)})"
+                             f"{why}; remove it or add its images.")
+        listing.files.append(mine)
+    listing.duplicates.sort()
+    return listing
+
+
+def _walk(folder: str, real_root: str, other_classes: set, listing: Listing) -> list[tuple[str, tuple, bool]]:
+    """``(path, file identity, reached through a link)`` of the image files under ``folder``, following links
+    except back into the data (those are recorded in ``listing``, as are images TensorFlow cannot decode)."""
+    found, visited, stack = [], set(), [(folder, False)]
+    while stack:
+        current, linked = stack.pop()
+        real = os.path.realpath(current)
+        if (real in visited or real_root == real or real_root.startswith(real + os.sep)
+                or any(real == c or real.startswith(c + os.sep) for c in other_classes)):
+            listing.loops.append(current)
+            continue
+        visited.add(real)
+        try:
+            entries = sorted(os.scandir(current), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.is_dir():  # follows links
+                stack.append((entry.path, linked or entry.is_symlink()))
+                continue
+            lower = entry.name.lower()
+            if lower.endswith(UNREADABLE):
+                listing.unreadable.append(entry.path)
+            elif lower.endswith(EXTENSIONS):
+                try:
+                    stat = os.stat(entry.path)
+                except OSError:
+                    continue  # a dangling link
+                found.append((entry.path, (stat.st_dev, stat.st_ino), linked or entry.is_symlink()))
+    return found
 
 
 def image_folder(path: str | None = None, test_path: str | None = None, validation_split: float | None = None,
                  split_seed: int = 0, image_size: Sequence[int] | None = None, color_mode: str = "rgb",
                  rescale="1/255", augment: Sequence[str] = (), skip_corrupt: bool = False, mean=None,
-                 std=None) -> ImageFolderSource:
+                 std=None, class_names: Sequence[str] | None = None) -> ImageFolderSource:
     """Images in ``path/<class>/...``, decoded on the fly; classes are the sorted subfolder names.
 
     Args:
@@ -134,30 +231,34 @@ def image_folder(path: str | None = None, test_path: str | None = None, validati
         augment: training augmentations by name (``_stream.AUGMENTATIONS``).
         mean, std: standardization after rescale (and augmentation), ``(x - mean) / std``: a number or one per
             channel (ImageNet's, for rgb in [0, 1]: mean [0.485, 0.456, 0.406], std [0.229, 0.224, 0.225]).
-        skip_corrupt: check every file's first and last bytes up front and leave out incomplete ones
-            (counted in the run's record); ``False``: such a file stops the run naming it.
+        skip_corrupt: read and decode every file once up front and leave out those that fail (counted and
+            named in the header and the run's record); ``False``: such a file stops the run naming it.
+        class_names: the class numbering to keep (a resumed run's): a folder keeps its number, a new folder
+            takes the number of a listed class without one; ``None``: the sorted folder names.
     """
     if path is None:
         raise ValueError("data.path: give the image folder (data.path=/data/my_images, one subfolder per class).")
     if color_mode not in COLOR_MODES:
         raise ValueError(f"data.color_mode={color_mode!r}: allowed: {', '.join(COLOR_MODES)}.")
     path = os.path.abspath(os.path.expanduser(str(path)))
-    classes, files = list_classes(path, "path")
-    train = _flatten(files)
+    listing = list_classes(path, "path")
+    classes = number_classes(listing.classes, class_names, path)
+    index = {name: i for i, name in enumerate(classes)}
+    train = _labelled(listing, index)
     info = {"path": path, "class_names": classes}
+    notes = listing.notes()
     if test_path is not None:
         if validation_split is not None:
             raise ValueError(f"data.validation_split={validation_split!r}: give either data.test_path or "
                              f"data.validation_split, not both.")
         test_path = os.path.abspath(os.path.expanduser(str(test_path)))
-        test_classes, test_files = list_classes(test_path, "test_path")
-        unknown = sorted(set(test_classes) - set(classes))
+        test_listing = list_classes(test_path, "test_path")
+        unknown = sorted(set(test_listing.classes) - set(classes))
         if unknown:
             raise ValueError(f"data.test_path={test_path!r}: class folder(s) {', '.join(unknown)} are not training "
                              f"classes (training: {', '.join(classes)}).")
-        index = {name: i for i, name in enumerate(classes)}
-        test = ([f for fs in test_files for f in fs], np.array([index[c] for c, fs in zip(test_classes, test_files)
-                                                                 for _ in fs], np.int32))
+        test = _labelled(test_listing, index)
+        notes += [f"test_path: {note}" for note in test_listing.notes()]
         info["test_path"] = test_path
     else:
         fraction = 0.2 if validation_split is None else validation_split
@@ -165,22 +266,49 @@ def image_folder(path: str | None = None, test_path: str | None = None, validati
             raise ValueError(f"data.validation_split={validation_split!r}: must be a number in (0, 1).")
         train, test = _split(train, fraction, split_seed, path)
         info["validation_split"] = float(fraction)
-    if skip_corrupt:
-        train, bad_train = _complete(train)
-        test, bad_test = _complete(test)
-        info["skipped_corrupt"] = bad_train + bad_test
-        if not len(train[0]) or not len(test[0]):
-            raise ValueError(f"data.path={path!r}: no complete image left in the "
-                             f"{'training' if not len(train[0]) else 'test'} split after skipping corrupt files.")
     channels = COLOR_MODES[color_mode]
+    if skip_corrupt:
+        (train, bad_train), (test, bad_test) = _decodable(train, channels), _decodable(test, channels)
+        info["skipped_corrupt"] = len(bad_train) + len(bad_test)
+        if bad_train or bad_test:
+            info["corrupt_example"] = (bad_train or bad_test)[0]
+        if not len(train[0]) or not len(test[0]):
+            raise ValueError(f"data.path={path!r}: no readable image left in the "
+                             f"{'training' if not len(train[0]) else 'test'} split after skipping corrupt files.")
+    for key, items in (("unreadable", listing.unreadable), ("duplicates", listing.duplicates),
+                       ("link_loops", listing.loops)):
+        if items:
+            info[key] = len(items)
+    if notes:
+        info["notes"] = notes
     size = check_image_size(image_size) or _first_size(train[0][0], channels)
     return ImageFolderSource(train, test, classes, (*size, channels), resize=image_size is not None,
                              rescale=parse_rescale(rescale, 1 / 255), augment=parse_augment(augment), info=info,
                              standardize=parse_standardize(mean, std, channels))
 
 
-def _flatten(files: list[list[str]]) -> tuple[list[str], np.ndarray]:
-    return [f for fs in files for f in fs], np.array([k for k, fs in enumerate(files) for _ in fs], np.int32)
+def number_classes(found: list[str], given, path: str) -> list[str]:
+    """Class names by number: the sorted folder names, or (``given``: a resumed run's) the given numbering, where
+    a folder not in it takes the number of a given class that has no folder (a renamed class keeps its number)."""
+    if given is None:
+        return list(found)
+    names = [str(n) for n in given]
+    free = [i for i, n in enumerate(names) if n not in found]
+    new = [c for c in found if c not in names]
+    if len(new) > len(free):
+        extra = new[len(free):]
+        raise ValueError(f"data.path={path!r}: class folder(s) {', '.join(extra)} are not among the resumed run's "
+                         f"{len(names)} classes ({', '.join(names)}) and no class number is free: its model has "
+                         f"{len(names)} outputs; start a new run to train more classes.")
+    for i, name in zip(free, new):
+        names[i] = name
+    return names
+
+
+def _labelled(listing: Listing, index: dict) -> tuple[list[str], np.ndarray]:
+    """Files and labels in class-number order (the split draws from this order: a renamed class keeps it)."""
+    order = sorted(zip(listing.classes, listing.files), key=lambda item: index[item[0]])
+    return [f for _, fs in order for f in fs], np.array([index[c] for c, fs in order for _ in fs], np.int32)
 
 
 def _split(examples, fraction: float, seed: int, path: str):
@@ -195,10 +323,29 @@ def _split(examples, fraction: float, seed: int, path: str):
     return pick(order[held:]), pick(order[:held])
 
 
-def _complete(examples):
+def _decodable(examples, channels: int):
+    """The examples whose file decodes (every file read and decoded once, in parallel) and the paths of the rest."""
     paths, labels = examples
-    keep = [file_looks_complete(p) for p in paths]
-    return ([p for p, k in zip(paths, keep) if k], labels[np.array(keep, bool)]), keep.count(False)
+    ok = decodes(paths, channels)
+    return ([p for p, k in zip(paths, ok) if k], labels[ok]), [p for p, k in zip(paths, ok) if not k]
+
+
+def decodes(paths: list[str], channels: int = 0) -> np.ndarray:
+    """Per file, whether it is complete (``looks_complete``) and TensorFlow decodes it."""
+    if not paths:
+        return np.zeros(0, bool)
+
+    def check(i):
+        contents = tf.io.read_file(tf.gather(names, i))
+        image = tf.io.decode_image(contents, channels=channels, expand_animations=False)
+        return i, tf.logical_and(looks_complete(contents), tf.size(image) >= 0)  # the size: decode it
+
+    names = tf.constant(paths)
+    ds = tf.data.Dataset.range(len(paths)).map(check, num_parallel_calls=AUTOTUNE).ignore_errors()
+    ok = np.zeros(len(paths), bool)
+    for i, good in ds.as_numpy_iterator():
+        ok[i] = good
+    return ok
 
 
 def _first_size(path: str, channels: int) -> list[int]:

@@ -7,6 +7,8 @@ feature spec. ``download=true`` prepares a missing data set where the network al
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -16,6 +18,8 @@ from ._stream import (check_counts, check_image_size, check_label, fail_unless, 
                       parse_standardize)
 from .tfrecord import TFRecordSource
 
+_VERSION = re.compile(r"^\d+\.\d+\.\d+$")
+
 
 class TFDSSource(TFRecordSource):
     """Records of a prepared TFDS data set, decoded by its features; see ``tfds``."""
@@ -23,6 +27,17 @@ class TFDSSource(TFRecordSource):
     def __init__(self, features, **kwargs):
         self._features = features
         super().__init__(**kwargs)
+
+    def _decoded(self, record):
+        return tf.size(self._features.deserialize_example(record)[self._spec["image_key"]])
+
+    def _fingerprint(self):
+        out = super()._fingerprint()
+        out.update(tfds=f"{self.info['tfds_name']} {self.info['version']}",
+                   splits={self.info["train_split"]: self.train_size, self.info["test_split"]: self.test_size})
+        if getattr(self, "class_names", None):
+            out["classes"] = {name: i for i, name in enumerate(self.class_names)}
+        return out
 
     def _load(self, record):
         spec = self._spec
@@ -44,7 +59,7 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
          test_split: str = "test", download: bool = False, image_key: str | None = None,
          label_key: str | None = None, num_classes: int | None = None, image_size: Sequence[int] | None = None,
          shuffle_buffer: int = 1024, cycle_length: int = 4, rescale=None, augment: Sequence[str] = (),
-         mean=None, std=None) -> TFDSSource:
+         mean=None, std=None, skip_corrupt: bool = False) -> TFDSSource:
     """A TFDS image-classification data set (``mnist``, ``cifar10``, ``imagenette/320px``, your own builder's).
 
     Args:
@@ -57,7 +72,8 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
         num_classes: only for a label feature that is a plain integer (a ``ClassLabel`` knows its classes).
         image_size: ``[height, width]`` every image is resized to; ``None``: the data set's fixed size, or the
             first image's (others must match).
-        shuffle_buffer, cycle_length, rescale, augment, mean, std: as for ``tfrecord``.
+        shuffle_buffer, cycle_length, rescale, augment, mean, std, skip_corrupt: as for ``tfrecord`` (a shard
+            holding fewer whole records than the data set's info says is cut short).
     """
     tfds_lib = _import_tfds()
     if not isinstance(name, str) or not name.strip():
@@ -101,6 +117,8 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
     check_counts(shuffle_buffer=shuffle_buffer, cycle_length=cycle_length)
     train, n_train = _split(info, train_split, "train_split", name)
     test, n_test = _split(info, test_split, "test_split", name)
+    train, test, cut = _whole_records(train, test, name, skip_corrupt)
+    n_train, n_test = (sum(t for _, _, t in parts) for parts in (train, test))
     size = check_image_size(image_size)
     if size is None and shape[0] is not None and shape[1] is not None:
         size = list(shape[:2])
@@ -122,7 +140,33 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
                         standardize=parse_standardize(mean, std, shape[2]), target_shape=target_shape)
     if class_names is not None:
         source.class_names = class_names
+    if skip_corrupt:
+        source.skip_corrupt()
+        source.info["skipped_corrupt"] += cut
     return source
+
+
+def _whole_records(train, test, name: str, skip_corrupt: bool):
+    """The parts ``(path, skip, take)`` of both splits, checked against the shards on disk: a shard holding fewer
+    whole records than the data set's info says (cut short) is refused naming it, or (``skip_corrupt``) read to
+    its last whole record. Returns the parts and the number of shards cut."""
+    from .tfrecord import walk_records
+
+    counts = {}
+    for path in {p for p, _, _ in train + test}:
+        counts[path] = walk_records(path)[0] if os.path.isfile(path) else 0
+    cut = sorted({p for p, skip, take in train + test if skip + take > counts[p]})
+    if cut and not skip_corrupt:
+        need = max(skip + take for p, skip, take in train + test if p == cut[0])
+        raise ValueError(f"data.name={name!r}: shard {cut[0]} holds {counts[cut[0]]} whole records, the data set's "
+                         f"info says {need} (cut short){f'; {len(cut)} such shards' if len(cut) > 1 else ''}; "
+                         f"prepare it again, or set data.skip_corrupt=true to read the whole records.")
+
+    def clipped(parts):
+        kept = [(p, skip, min(take, counts[p] - skip)) for p, skip, take in parts]
+        return [part for part in kept if part[2] > 0]
+
+    return clipped(train), clipped(test), len(cut)
 
 
 def _import_tfds():
@@ -138,11 +182,35 @@ def _builder(tfds_lib, name: str, data_dir):
     try:
         return tfds_lib.builder(name, data_dir=data_dir)
     except tfds_lib.core.registered.DatasetNotFoundError:
+        versions = _versions(tfds_lib, name, data_dir)
+        if ":" in name and versions:
+            raise ValueError(f"data.name={name!r}: no version {name.split(':', 1)[1]} of "
+                             f"{name.split(':', 1)[0]!r}; available: {', '.join(versions)}.") from None
         raise ValueError(f"data.name={name!r}: no TFDS data set of that name, registered or prepared in "
                          f"{data_dir or 'the default data_dir'} (catalog: https://www.tensorflow.org/datasets/"
                          f"catalog; a data set of your own: its folder data_dir/{name}/<version>).") from None
     except (ValueError, AssertionError) as err:  # a bad config or version in the name
+        versions = _versions(tfds_lib, name, data_dir)
+        if ":" in name and versions and name.split(":", 1)[1] not in versions:
+            raise ValueError(f"data.name={name!r}: no version {name.split(':', 1)[1]} of "
+                             f"{name.split(':', 1)[0]!r}; available: {', '.join(versions)}.") from None
         raise ValueError(f"data.name={name!r}: {str(err).splitlines()[0][:200]}") from None
+
+
+def _versions(tfds_lib, name: str, data_dir) -> list[str]:
+    """The versions of ``name`` (without its ``:version``) prepared in ``data_dir`` or registered."""
+    base = name.split(":", 1)[0]
+    found = set()
+    root = Path(os.path.expanduser(str(data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets")))
+    folder = root / base
+    if folder.is_dir():
+        found |= {p.name for p in folder.iterdir() if p.is_dir() and _VERSION.match(p.name)}
+    try:
+        builder_cls = tfds_lib.builder_cls(base.split("/")[0])
+        found |= {str(v) for v in [builder_cls.VERSION, *getattr(builder_cls, "SUPPORTED_VERSIONS", [])] if v}
+    except Exception:  # noqa: BLE001 - not registered
+        pass
+    return sorted(found, key=lambda v: tuple(int(x) for x in v.split(".")))
 
 
 def _prepared(builder) -> bool:

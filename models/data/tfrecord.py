@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import struct
 from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from ._fingerprint import file_signatures
+from ._source import AUTOTUNE
 from ._stream import (StreamSource, check_counts, check_image_size, check_label, fail_unless, parse_augment,
                       parse_rescale, parse_standardize)
 from .image_folder import COLOR_MODES
@@ -29,13 +33,90 @@ class TFRecordSource(StreamSource):
 
     def __init__(self, train_files: list, test_files: list, spec: dict, image_shape, resize: bool,
                  num_classes: int, compression, shuffle_buffer: int, cycle_length: int, name: str = "tfrecord",
-                 sizes=(None, None), **kwargs):
+                 sizes=(None, None), counts=None, **kwargs):
         # A shard is a path, or (path, skip, take): its records skip .. skip + take (take -1: to the end).
         self.train_files, self.test_files = train_files, test_files
         self._train_parts, self._test_parts = _parts(train_files), _parts(test_files)
         self._spec, self._resize, self._compression = spec, resize, compression or ""
         self.shuffle_buffer, self.cycle_length = shuffle_buffer, cycle_length
+        self._counts = dict(counts or {})  # records per shard, where counted (uncompressed shards)
         super().__init__(name, image_shape, num_classes, *sizes, **kwargs)
+
+    _unit = "record"
+
+    def _fingerprint(self):
+        shards = {}
+        for split, parts in (("train", self._train_parts), ("test", self._test_parts)):
+            paths = list(dict.fromkeys(parts[0]))
+            content = file_signatures(paths)
+            shards[split] = {p: {"size": os.path.getsize(p), "records": self._counts.get(p), "content": content[p]}
+                             for p in paths}
+        return {"source": self.name, "shards": shards}
+
+    def _decoded(self, record):
+        """A tensor that exists only once the record's image decodes (what ``skip_corrupt`` checks)."""
+        spec = self._spec
+        data = tf.io.parse_single_example(record, {spec["image_key"]: tf.io.FixedLenFeature([], tf.string)})
+        data = data[spec["image_key"]]
+        if spec["format"] == "raw":
+            return tf.size(tf.io.decode_raw(data, spec["dtype"]))
+        return tf.size(tf.io.decode_image(data, expand_animations=False))
+
+    def scan(self, part) -> tuple[np.ndarray, str | None]:
+        """Read (and decode) every record of a shard ``(path, skip, take)``: per readable record whether its image
+        decodes, and the reader's error where the shard cannot be read to its end (a corrupt record)."""
+        path, skip, take = part
+        records = tf.data.TFRecordDataset(path, compression_type=self._compression).skip(skip).take(take)
+        readable = int(records.map(lambda r: tf.constant(1, tf.int64)).ignore_errors().reduce(
+            tf.constant(0, tf.int64), lambda n, one: n + one))
+        error = None
+        try:
+            next(iter(records.skip(readable).take(1)), None)
+        except tf.errors.OpError as err:
+            error = first_line(err)
+        ok = np.zeros(readable, bool)
+        checked = records.take(readable).enumerate().map(lambda i, r: (i, self._decoded(r)),
+                                                         num_parallel_calls=AUTOTUNE).ignore_errors()
+        for i, _ in checked.as_numpy_iterator():
+            ok[i] = True
+        return ok, error
+
+    def skip_corrupt(self) -> None:
+        """Leave out every record that cannot be read or decoded: the shards become the record ranges that can;
+        the count (and an example) goes to ``info`` and the header."""
+        skipped, example = set(), None  # a shard in both splits counts once
+        for split in ("train", "test"):
+            paths, skips, takes = getattr(self, f"_{split}_parts")
+            parts = []
+            for part in zip(paths, skips, takes):
+                ok, error = self.scan(part)
+                bad = np.flatnonzero(~ok)
+                if error or bad.size:
+                    where = int(bad[0]) if bad.size else len(ok)
+                    example = example or f"{part[0]} record {where + part[1]}"
+                skipped |= {(part[0], int(i) + part[1]) for i in bad} | ({(part[0], "rest")} if error else set())
+                parts += _ranges(part, ok)
+            if not parts:
+                raise ValueError(f"data.{split}_files: no readable record left after skipping corrupt ones.")
+            setattr(self, f"_{split}_parts", tuple(list(c) for c in zip(*parts)))
+            size = sum(t for _, _, t in parts)
+            setattr(self, f"{split}_size", size)
+            self.info[f"{split}_size"] = size
+        self.info["skipped_corrupt"] = len(skipped)
+        if example:
+            self.info["corrupt_example"] = example
+
+    def find_unreadable(self):
+        for split in ("train", "test"):
+            for part in zip(*getattr(self, f"_{split}_parts")):
+                ok, error = self.scan(part)
+                bad = np.flatnonzero(~ok)
+                if bad.size or error:
+                    what = (f"record {int(bad[0]) + part[1]}'s image cannot be decoded" if bad.size else
+                            f"record {len(ok) + part[1]} cannot be read ({error})")
+                    return (f"data: shard {part[0]}: {what}; rewrite that shard, or set data.skip_corrupt=true to "
+                            f"leave unreadable records out (counted)")
+        return None
 
     def _records(self, parts):
         def read(path, skip, take):
@@ -103,7 +184,7 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
              label_key: str = "label", num_classes: int | None = None, image_size: Sequence[int] | None = None,
              color_mode: str = "rgb", shuffle_buffer: int = 1024, cycle_length: int = 4, rescale="1/255",
              augment: Sequence[str] = (), mean=None, std=None, label_format: str = "class",
-             target_shape: Sequence[int] = ()) -> TFRecordSource:
+             target_shape: Sequence[int] = (), skip_corrupt: bool = False) -> TFRecordSource:
     """TFRecord shards of ``tf.train.Example`` records: an image feature and a label feature (int64 class
     numbers, or float targets).
 
@@ -121,6 +202,9 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
         shuffle_buffer: records shuffled together (a window of the interleaved stream; 1: no shuffle).
         cycle_length: shards read at once.
         rescale, augment, mean, std: as for ``image_folder``.
+        skip_corrupt: read and decode every record once up front and leave out those that fail (a shard cut
+            short keeps its whole records); ``False``: a shard cut short stops the run at the start, a corrupt
+            record when it is reached, each naming the shard.
     """
     train = _files(train_files, "train_files")
     test = _files(test_files, "test_files")
@@ -156,6 +240,15 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
         spec["shape"] = tuple(image_shape)
     first_image = _check_first_record(train[0], "train_files", spec, compression)
     _check_first_record(test[0], "test_files", spec, compression)
+    counts, cut = ({}, []) if compression else _count_records(dict.fromkeys(train + test))
+    if cut and not skip_corrupt:
+        path, records, offset, size = cut[0]
+        key = "train_files" if path in train else "test_files"
+        raise ValueError(f"data.{key}: {path} is cut short: record {records} (at byte {offset}) runs past its end "
+                         f"({size} bytes){f'; {len(cut)} such shards' if len(cut) > 1 else ''}; restore the shard, "
+                         f"or set data.skip_corrupt=true to read its {records} whole records.")
+    whole = {path: records for path, records, _, _ in cut}  # a shard cut short: its whole records
+    train, test = ([(f, 0, whole[f]) if f in whole else f for f in files] for files in (train, test))
     channels = spec["shape"][2] if image_format == "raw" else COLOR_MODES[color_mode]
     size = check_image_size(image_size)
     if size is None and image_format == "raw":
@@ -164,13 +257,76 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
         decoded = tf.io.decode_image(first_image, channels=channels, expand_animations=False)
         size = [int(decoded.shape[0]), int(decoded.shape[1])]
     uint8 = image_format == "encoded" or dtype == tf.uint8
-    info = {"train_files": train, "test_files": test, "image_key": image_key, "label_key": label_key}
-    return TFRecordSource(train, test, spec, (*size, channels), image_size is not None, num_classes or 1,
-                          compression, shuffle_buffer, cycle_length,
+    info = {"train_files": [_path(f) for f in train], "test_files": [_path(f) for f in test],
+            "image_key": image_key, "label_key": label_key}
+    sizes = tuple(sum(counts[_path(f)] if isinstance(f, str) else f[2] for f in files) if counts else None
+                  for files in (train, test))
+    source = TFRecordSource(train, test, spec, (*size, channels), image_size is not None, num_classes or 1,
+                          compression, shuffle_buffer, cycle_length, sizes=sizes, counts=counts,
                           rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0), augment=parse_augment(augment),
                           max_value=255.0 if uint8 else 1.0, info=info,
                           standardize=parse_standardize(mean, std, channels),
                           target_shape=target_shape if floats else None)
+    if skip_corrupt:
+        source.skip_corrupt()
+        source.info["skipped_corrupt"] += len(cut)
+        if cut and "corrupt_example" not in source.info:
+            source.info["corrupt_example"] = f"{cut[0][0]} record {cut[0][1]} (cut short)"
+    return source
+
+
+def _path(part) -> str:
+    return part if isinstance(part, str) else part[0]
+
+
+def _count_records(paths) -> tuple[dict, list]:
+    """Records per uncompressed shard, by walking the record headers (lengths; no data is read), and the shards
+    cut short: ``(path, whole records, offset of the cut record, file size)``."""
+    counts, cut = {}, []
+    for path in paths:
+        records, offset = walk_records(path)
+        counts[path] = records
+        if offset is not None:
+            cut.append((path, records, offset, os.path.getsize(path)))
+    return counts, cut
+
+
+def walk_records(path: str) -> tuple[int, int | None]:
+    """``(whole records, offset of a record that runs past the end or None)`` of a TFRecord file: each record is
+    an 8-byte length, 4 bytes of its CRC, the data and 4 bytes of the data's CRC."""
+    size = os.path.getsize(path)
+    records, offset = 0, 0
+    with open(path, "rb") as f:
+        while offset < size:
+            if size - offset < 12:
+                return records, offset
+            f.seek(offset)
+            length = struct.unpack("<Q", f.read(8))[0]
+            end = offset + 16 + length
+            if end > size:
+                return records, offset
+            records, offset = records + 1, end
+    return records, None
+
+
+def _ranges(part, ok: np.ndarray) -> list[tuple[str, int, int]]:
+    """The runs of readable records of a shard ``(path, skip, take)`` as ``(path, skip, take)`` parts."""
+    path, skip, _ = part
+    out, start = [], None
+    for i, good in enumerate(list(ok) + [False]):
+        if good and start is None:
+            start = i
+        elif not good and start is not None:
+            out.append((path, skip + start, i - start))
+            start = None
+    return out
+
+
+def first_line(err) -> str:
+    """TensorFlow's error as one line, without its ``{{function_node ...}}`` and ``[Op:...]`` wrapping."""
+    text = (getattr(err, "message", None) or str(err)).strip().splitlines()[0] if str(err).strip() else ""
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\].*$", "", text).strip()
+    return text or type(err).__name__
 
 
 def _parts(files) -> tuple[list[str], list[int], list[int]]:
@@ -188,18 +344,34 @@ def _files(patterns, key: str) -> list[str]:
         matches = sorted(glob.glob(os.path.expanduser(str(pattern))))
         if not matches:
             raise ValueError(f"data.{key}: {pattern!r} matches no file.")
-        found += [os.path.abspath(m) for m in matches if os.path.isfile(m)]
+        files = [os.path.abspath(m) for m in matches if os.path.isfile(m)]
+        if not files:
+            raise ValueError(f"data.{key}: {pattern!r} matches only folder(s) ({', '.join(matches[:3])}); give the "
+                             f"shard files, e.g. {os.path.join(str(pattern), '*.tfrecord')!r}.")
+        found += files
     return list(dict.fromkeys(found))
+
+
+def _compression_hint(path: str, compression) -> str:
+    """What the file's first bytes say about its compression, as advice on ``data.compression``."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    actual = "GZIP" if head == b"\x1f\x8b" else "ZLIB" if head[:1] == b"\x78" else None
+    if actual and actual != compression:
+        return f"; it looks {actual}-compressed: set data.compression={actual}"
+    if compression and not actual:
+        return f"; it does not look {compression}-compressed: try data.compression=null"
+    return "; data.compression allows null, GZIP, ZLIB"
 
 
 def _check_first_record(path: str, key: str, spec: dict, compression) -> bytes:
     """The image bytes of the file's first record, after checking it holds the features the config names."""
+    path = _path(path)
     try:
         record = next(iter(tf.data.TFRecordDataset(path, compression_type=compression or "").take(1)), None)
     except tf.errors.OpError as err:
-        hint = "" if compression else " (if it is compressed, set data.compression=GZIP or ZLIB)"
-        raise ValueError(f"data.{key}: {path!r} is not a readable TFRecord file{hint}: "
-                         f"{err.message.splitlines()[0][:150]}.") from None
+        raise ValueError(f"data.{key}: {path!r} is not a readable TFRecord file with data.compression="
+                         f"{compression or 'null'} ({first_line(err)}){_compression_hint(path, compression)}.") from None
     if record is None:
         raise ValueError(f"data.{key}: {path!r} holds no records.")
     example = tf.train.Example()

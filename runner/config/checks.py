@@ -11,6 +11,7 @@ from runner.platform.precision import PRECISIONS
 from sections import rules
 
 PROGRESS = ("auto", "bar", "log")
+RESUME_DATA = ("same", "changed")
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -37,10 +38,16 @@ def check_config(cfg: DictConfig) -> None:
     if budget is not None and chosen != "auto":
         raise ConfigError("engine.memory_budget", budget, f"only sections=auto plans to a budget; this run has "
                           f"sections={_shown(chosen)}: give sections=auto, or engine.memory_budget=null")
+    resume_data = cfg.get("resume_data", "same")
+    if resume_data not in RESUME_DATA:
+        raise ConfigError("resume_data", resume_data, "allowed: same (a resume refuses data that changed since the "
+                          "run), changed (continue on the changed data knowingly, class numbers kept)")
     if cfg.resume is not None:
         from runner.config.resume import run_folder
 
         run_folder(cfg.resume)
+    elif resume_data == "changed":
+        raise ConfigError("resume_data", resume_data, "applies only with resume=<run folder>")
 
 
 def _check_optimizer(optimizer: DictConfig) -> None:

@@ -6,7 +6,9 @@ What may change on resume:
 - `train.precision` between float32 and mixed_bfloat16 (variables stay float32); not to or from mixed_float16,
   whose loss-scale optimizer holds state of its own;
 - what the checkpoint fixes (model, data, batch, seed, the optimizer's class or its slot variables): refused,
-  in one line naming each differing key.
+  in one line naming each differing key;
+- the data itself (files, classes, arrays, shards) is compared with the run's `data_fingerprint.json` when it is
+  built (`runner.run.datafeed.resumed_data`): a change is refused unless `resume_data=changed`.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
         for name, value in cfg[key].items():
             if name not in merged.get(key, {}):
                 OmegaConf.update(merged, f"{key}.{name}", value, force_add=True)
-    for name in ("batch", "sections"):
+    for name in ("batch", "sections", "resume_data"):
         if name not in merged:
             merged[name] = cfg[name]
     base = OmegaConf.create(OmegaConf.to_container(merged))  # the saved run, as today's runner reads it
@@ -68,6 +70,7 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
             continue
         OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True, merge=False)
     merged.resume = str(cfg.resume)
+    merged.resume_data = cfg.get("resume_data", "same")  # this resume's own choice, never an earlier one's
 
     changes = differences(base, merged)
     refused = [k for k in changes if k.startswith(FIXED) and not k.startswith(FREE_IN_FIXED)]
@@ -143,10 +146,11 @@ def run_folder(value) -> Path:
 
 
 def differences(before: DictConfig, after: DictConfig) -> dict:
-    """`{dotted key: (before, after)}` for every leaf that differs (`resume` excluded)."""
+    """`{dotted key: (before, after)}` for every leaf that differs (`resume` and `resume_data`, one resume's own
+    choices, excluded)."""
     a, b = _flat(OmegaConf.to_container(before, resolve=True)), _flat(OmegaConf.to_container(after, resolve=True))
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if k != "resume" and a.get(k) != b.get(k)}
+            if k not in ("resume", "resume_data") and a.get(k) != b.get(k)}
 
 
 def optimizer_changes(changes: dict) -> dict:

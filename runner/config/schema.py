@@ -135,9 +135,9 @@ class DistributeConfig:
     timeout_seconds: Optional[float]
 
 
-@defaults_from({"config.yaml": ["batch", "sections", "resume"]})
+@defaults_from({"config.yaml": ["batch", "sections", "resume", "resume_data"]})
 class Config:
-    """The whole run (`conf/config.yaml` says what `batch`, `sections` and `resume` hold)."""
+    """The whole run (`conf/config.yaml` says what `batch`, `sections`, `resume` and `resume_data` hold)."""
 
     model: Any = MISSING
     data: Any = MISSING
@@ -148,6 +148,7 @@ class Config:
     batch: Any  # a positive int, or max (the largest batch that fits: runner/run/batch_max.py)
     sections: Any
     resume: Optional[str]
+    resume_data: str  # same or changed (runner.config.checks; runner.run.datafeed.resumed_data)
 
 
 def register() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError, apply_rule
+from runner.run.datafeed import resumed_data
 from runner.platform.precision import set_precision, wrap_optimizer
 from sections import rules
 
@@ -26,6 +27,7 @@ class Setup:
     batches: Any = None
     strategy: Any = None  # the tf.distribute strategy (None: one device)
     batch_search: Any = None  # batch=max: its trials (runner/run/batch_max.py)
+    data_changes: Any = ()  # resume_data=changed: what changed in the data since the run (runner/run/datafeed.py)
 
 
 def set_determinism(on: bool) -> None:
@@ -52,6 +54,7 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
     set_determinism(cfg.train.deterministic)
 
     data = instantiate(cfg.data, "data")
+    data, data_changes = resumed_data(cfg, data, lambda **kwargs: _rebuild_data(cfg, **kwargs))
     searching = cfg.batch == "max"
     # lazy: nothing allocated
     spec = getattr(data.train_batches(1 if searching else cfg.batch, cfg.train.seed), "element_spec", None)
@@ -64,9 +67,22 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
         sections = resolve_sections(cfg)
         check_boundaries(sections, network)
     if searching:
-        return _largest(cfg, data, network, sections, strategy)
+        setup = _largest(cfg, data, network, sections, strategy)
+        setup.data_changes = data_changes
+        return setup
     engine, probe, batches = make_engine(cfg, data, network, sections, strategy, cfg.batch)
-    return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batches=batches)
+    return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batches=batches,
+                 data_changes=data_changes)
+
+
+def _rebuild_data(cfg: DictConfig, **kwargs):
+    """The data again, with `kwargs` (a resumed run's `class_names`) where its builder takes them."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    takes = inspect.signature(get_object(cfg.data._target_)).parameters
+    return instantiate(cfg.data, "data", **{k: v for k, v in kwargs.items() if k in takes})
 
 
 def _scope(strategy):
@@ -86,7 +102,8 @@ def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, 
         optimizer = wrap_optimizer(instantiate(cfg.optimizer, "optimizer"), cfg.train.precision)
     engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
     batches = train_iterator(data, batch, cfg.train.seed, strategy) if worker_shard(strategy) is None else None
-    probe = next_batch(batches if batches is not None else iter(data.train_batches(batch, cfg.train.seed)))
+    probe = next_batch(batches if batches is not None else iter(data.train_batches(batch, cfg.train.seed)),
+                       data)
     try:
         engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections,
                              _convert_="all",  # a plain list of boundary names, not a ListConfig

@@ -3,7 +3,8 @@
     batches = train_iterator(data, batch, seed, strategy)   # iter(data.train_batches(...)), sharded per worker
     batch = next_batch(batches)                             # a data failure (corrupt file ...) is a DataError
     for batch in checked(data.eval_batches(n)): ...
-    write_record(out, data)                                 # data.json: class names, sizes, rescale, skipped files
+    data, changes = resumed_data(cfg, data, rebuild)        # resume=: the data compared with the run's fingerprint
+    write_record(out, data, resumed, changes)               # data.json and data_fingerprint.json
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import logging
 import re
 from pathlib import Path
 
-from runner.errors import RunnerError
+from runner.errors import ConfigError, RunnerError
 
 log = logging.getLogger("runner")
 _OP_NOISE = re.compile(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]|\s*\[\[\{\{node [^]]*\]\]")
 _ASSERTION = re.compile(r"assertion failed: \[(.*)\]\s*$")
+_NAME = re.compile(r"\s*name:\s*$")  # what an eager iterator's error ends with
+_READING = "data: reading the input failed: "
 
 
 class DataError(RunnerError):
@@ -52,22 +55,27 @@ def worker_shard(strategy) -> tuple[int, int] | None:
     return min(int(i) for i in ids) // local, total // local
 
 
-def next_batch(iterator):
-    """`next(iterator)`, with a failure inside the input pipeline reported as one DataError line."""
+def next_batch(iterator, data=None):
+    """`next(iterator)`, with a failure inside the input pipeline reported as one DataError line (naming the file or
+    record, which `data` finds where TensorFlow's error does not say it)."""
     import tensorflow as tf
 
     try:
         return next(iterator)
     except tf.errors.OpError as err:
-        raise DataError(message(err)) from err
+        line = message(err)
+        if line.startswith(_READING) and hasattr(data, "find_unreadable"):
+            log.info("data: reading the input failed without naming a file; looking for it")
+            line = data.find_unreadable() or line
+        raise DataError(line) from err
 
 
-def checked(dataset):
+def checked(dataset, data=None):
     """Iterate `dataset`, reporting input-pipeline failures as DataError."""
     iterator = iter(dataset)
     while True:
         try:
-            batch = next_batch(iterator)
+            batch = next_batch(iterator, data)
         except StopIteration:
             return
         yield batch
@@ -80,7 +88,7 @@ def message(err) -> str:
     own = _ASSERTION.search(text)
     if own:  # TensorFlow escapes the quotes of the message it prints
         return own.group(1).replace("\\'", "'").replace('\\"', '"')
-    return f"data: reading the input failed: {text[:300]}"
+    return f"{_READING}{_NAME.sub('', text)[:300]}"
 
 
 def record(data) -> dict:
@@ -89,7 +97,83 @@ def record(data) -> dict:
     return dict(info) if isinstance(info, dict) else {}
 
 
-def write_record(out: Path, data) -> None:
-    info = record(data)
-    if info:
-        (Path(out) / "data.json").write_text(json.dumps(info, indent=1))
+FINGERPRINT = "data_fingerprint.json"
+
+
+def fingerprint(data) -> dict | None:
+    """What the data is (files, classes, arrays, shards: `models.data._fingerprint`), where the source says."""
+    get = getattr(data, "fingerprint", None)
+    return get() if callable(get) else None
+
+
+def resumed_data(cfg, data, rebuild) -> tuple[object, list[str]]:
+    """On `resume=`: `data` compared with the run's `data_fingerprint.json`; returns the data to train on and what
+    changed. The data is numbered as the run numbered its classes (`rebuild(class_names=...)`, where the source
+    takes them). A change is refused in one line naming it, unless `resume_data=changed`: then the run continues
+    on the new data."""
+    if cfg.get("resume") is None:
+        return data, []
+    from models.data import compare_fingerprints
+
+    new, old = fingerprint(data), _read_json(Path(str(cfg.resume)) / FINGERPRINT)
+    if new is None:
+        return data, []
+    if old is None:
+        log.warning(f"resume: {cfg.resume} holds no {FINGERPRINT} (a run of an earlier runner): the data it "
+                    f"continues on cannot be compared with the run's; it is recorded from now on")
+        return data, []
+    classes = old.get("classes")
+    if classes and classes != new.get("classes"):  # the run's numbering, where the source can follow it
+        try:
+            data = rebuild(class_names=[name for name, _ in sorted(classes.items(), key=lambda item: item[1])])
+            new = fingerprint(data)
+        except ConfigError:
+            pass  # more classes than numbers: the comparison names them
+    changes = compare_fingerprints(old, new)
+    if not changes:
+        return data, []
+    said = "; ".join(changes)
+    if cfg.get("resume_data", "same") != "changed":
+        raise ConfigError("resume", cfg.resume, f"the data changed since that run: {said}; a resume continues on "
+                          f"the run's own data: restore it, or give resume_data=changed to continue on this data "
+                          f"knowingly (class numbers kept as the run had them)")
+    log.warning(f"resume: the data changed since that run: {said}; continuing on it (resume_data=changed)")
+    if classes and classes != new.get("classes"):
+        numbers = getattr(data, "class_names", None) or []
+        log.warning(f"resume: class numbers kept as the run had them: "
+                    + ", ".join(f"{i} {name}" for i, name in enumerate(numbers)))
+    return data, changes
+
+
+def write_record(out: Path, data, resumed: bool = False, changes=()) -> None:
+    """`data.json` (the source's `info`) and `data_fingerprint.json`; on a resume that continues on changed data
+    the run's previous ones are kept as `data.<n>.json` and `data_fingerprint.<n>.json`."""
+    from runner.platform.files import keep_copy, write_atomic
+
+    out = Path(out)
+    files = {"data.json": record(data), FINGERPRINT: fingerprint(data)}
+    if resumed and changes:
+        n = 1
+        while any((out / _numbered(name, n)).exists() for name in files):
+            n += 1
+        for name in files:
+            if (out / name).is_file():
+                keep_copy(out / name, out / _numbered(name, n))
+        log.info(f"resume: the run's previous data record kept as {_numbered('data.json', n)} and "
+                 f"{_numbered(FINGERPRINT, n)}")
+    for name, value in files.items():
+        if value:
+            write_atomic(out / name, json.dumps(value, indent=1))
+
+
+def _numbered(name: str, n: int) -> str:
+    stem, _, suffix = name.rpartition(".")
+    return f"{stem}.{n}.{suffix}"
+
+
+def _read_json(path: Path):
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None

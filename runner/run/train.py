@@ -37,24 +37,22 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
                                                                                        setup.strategy)
     first = setup.probe if setup.batches is not None else None  # the build took it from the same iterator
     checkpoints = Checkpoints(out / "checkpoints", engine, batches, train.keep_checkpoints)
-    start = 0
+    start, finishing = 0, False
     if cfg.resume:
         start, restored = checkpoints.restore(restore_from)
         first = None  # the restored iterator continues where the run stopped
-        if start >= train.steps:
-            raise ConfigError("train.steps", train.steps, f"must exceed the resumed run's step {start} "
-                              f"(give train.steps=<more>)")
+        finishing = _finishing(restore_from.parent if restore_from else out, train, start)
 
     hydra = HydraConfig.get() if HydraConfig.initialized() else None
     overrides = list(hydra.overrides.task) if hydra else []
     record = RunRecord(out, cfg, setup, overrides, sweep=_in_sweep(), start_step=start)
     try:
         record.start(changes)
-        datafeed.write_record(out, data)
+        datafeed.write_record(out, data, resumed=bool(start), changes=setup.data_changes)
         if start:
             log.info(f"resumed from {restored} at step {start}")
             apply_optimizer_changes(engine.optimizer, changes, cfg.optimizer)
-        exactness = verify_exact(engine, setup.probe) if train.verify_exact else {}
+        exactness = verify_exact(engine, setup.probe) if train.verify_exact and not finishing else {}
         if exactness:
             record.exactness(exactness)
 
@@ -71,7 +69,10 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
                        telemetry, ProgressHook(progress, cfg.batch), evaluation,
                        Checkpointing(checkpoints, train.checkpoint_every, train.steps),
                        SignalStop(checkpoints, train.checkpoint_every, train.steps, out)])
-        step = _loop(engine, batches, hooks, start, train.steps, first)
+        step = _loop(engine, batches, hooks, start, train.steps, first, data)
+        if finishing:  # no step ran: the final evaluation, for the files that follow from it
+            evaluation.results = evaluate(engine, data, eval_batch)
+            model_files.evaluated(step, evaluation.results)
         model_files.final(step)
         history, results = telemetry.history, evaluation.results
         metrics = {**describe_setup(engine, cfg.batch), **exactness,
@@ -81,6 +82,8 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
                    **summarize(history, results, data, cfg.batch, step)}
         if datafeed.record(data):
             metrics["data"] = datafeed.record(data)
+        if finishing:
+            metrics = _kept_metrics(out) or {**metrics, "final_files_written_on_resume": True}
         flops = record.flops
         if flops:
             metrics["flops_per_section"] = flops
@@ -94,9 +97,39 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
     return metrics[metrics["metric"]]
 
 
-def _loop(engine, batches, hooks: Hooks, start: int, steps: int, first=None) -> int:
+FINAL_FILES = ("metrics.json", "model.keras")
+
+
+def _finishing(folder: Path, train, start: int) -> bool:
+    """A resumed run at its last step: True when some final file is missing (written without training further);
+    a run that would train no step and has all its files is refused, asking for more steps."""
+    if start < train.steps:
+        return False
+    wanted = [n for n in FINAL_FILES if n != "model.keras" or train.get("save_model", True) is not False]
+    missing = [n for n in wanted if not (Path(folder) / n).is_file()]
+    if start == train.steps and missing:
+        log.info(f"resume: training is complete (step {start} of {train.steps}); writing the missing "
+                 f"{', '.join(missing)} without training further")
+        return True
+    done = f"; its training is complete and its final files are there" if start == train.steps else ""
+    raise ConfigError("train.steps", train.steps, f"must exceed the resumed run's step {start} to train further "
+                      f"(give train.steps=<more>){done}")
+
+
+def _kept_metrics(out: Path) -> dict | None:
+    """The run's own `metrics.json`, where a resume that only writes missing files finds it."""
+    import json
+
+    try:
+        metrics = json.loads((out / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return metrics if isinstance(metrics, dict) and "metric" in metrics else None
+
+
+def _loop(engine, batches, hooks: Hooks, start: int, steps: int, first=None, data=None) -> int:
     """Steps `start + 1 .. steps`, the hooks around each (`first`: the first step's batch, already taken from
-    `batches`); returns the last step run."""
+    `batches`; `data`: the source, to name a file that fails); returns the last step run."""
     from sections import BudgetExceededError, OutOfMemory, ReplayMismatchError
 
     from runner.run import datafeed
@@ -105,7 +138,7 @@ def _loop(engine, batches, hooks: Hooks, start: int, steps: int, first=None) -> 
     hooks.on_train_begin()
     try:
         for step in range(start + 1, steps + 1):
-            batch, first = (first, None) if first is not None else (datafeed.next_batch(batches), None)
+            batch, first = (first, None) if first is not None else (datafeed.next_batch(batches, data), None)
             hooks.on_step_begin(step)
             began = time.perf_counter()
             try:
@@ -203,7 +236,7 @@ def evaluate(engine, data, batch_size: int) -> dict:
     from runner.run.datafeed import checked
 
     totals, count = {}, 0
-    for batch in checked(data.eval_batches(batch_size)):
+    for batch in checked(data.eval_batches(batch_size), data):
         size = int(next(iter(batch.values())).shape[0])
         for key, value in engine.evaluate(batch).items():
             totals[key] = totals.get(key, 0.0) + float(value) * size
