@@ -15,7 +15,7 @@ from .. import rules
 from ..backend.device import OutOfMemory, release, requested_bytes
 from ..backend.profile import SectionProbe, gradient_bytes, probe_slice, profile_blocks
 from ..backend.lean import lean_scope
-from ..backend.memory import one_op_order
+from ..backend.memory import below_resolution, one_op_order
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import local_size
 from ..backend.structure import nbytes
@@ -225,6 +225,14 @@ class Engine(Trainer):
         runs: list = []
         for _ in range(DRY_STEPS):
             measured, seconds = self._dry_step(batch)
+            if not measured:  # nothing counted: no plan can be checked against the budget
+                self.below_resolution = True
+                self._refusal = NoPlanFits(
+                    f"sections='auto' cannot fit memory_budget={rules.human_bytes(self.memory_budget)}"
+                    f"{'' if self.budget_source == 'given' else ' (' + self.budget_source + ')'}: a dry step of {_sections(self.plan)} read 0 bytes, "
+                    f"{below_resolution(self.meter.devices)}; give sections as an int or a list of names, or "
+                    f"measure with TF_ENABLE_ONEDNN_OPTS=0.", 0, self.plan, 0)
+                return
             self.fixed_extra = measured - (self.plan.predicted_peak - self.plan.extra_bytes)
             runs.append((self.plan, measured, self.fixed_extra, self._compiled(), seconds))
             fitting = [run for run in runs if self._fits(run[1])]
@@ -516,7 +524,7 @@ class Engine(Trainer):
             apply_peaks = self.meter.peaks()
             device_peaks = {d: max(p, apply_peaks[d]) for d, p in step_peak.items()}
         stats = self._stats(loss, device_peaks, peaks)
-        if self.plan is not None:
+        if self.plan is not None and stats["step_peak_bytes"] is not None:
             # The plan is per replica; replicas on logical CPU devices share one allocator (read as their total).
             sharing = max(1, len(self.replicas.devices()) // len(self.meter.devices))
             self._replan_if_over(stats["step_peak_bytes"] // sharing)
