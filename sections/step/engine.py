@@ -220,18 +220,21 @@ class Engine(Trainer):
         one re-running fewest forwards) runs, its prediction what
         its dry step measured (or the optimizer update's, if larger; a plan restored from earlier is dry-run again,
         ``_choose``). When none fits, the refusal names the smallest dry step measured and the
-        budget that would fit it."""
+        budget that would fit it. A dry step that reads 0 bytes (every allocation below the allocator's resolution)
+        checks nothing: the cost model's plan or refusal stands, said to be unmeasured (``replans``)."""
         # (plan, measured peak, the fixed cost that makes its prediction the measurement, state, seconds)
         runs: list = []
         for _ in range(DRY_STEPS):
             measured, seconds = self._dry_step(batch)
-            if not measured:  # nothing counted: no plan can be checked against the budget
+            if not measured:  # nothing counted: the plan (or refusal) stays the model's, from shapes, and says so
                 self.below_resolution = True
-                self._refusal = NoPlanFits(
-                    f"sections='auto' cannot fit memory_budget={rules.human_bytes(self.memory_budget)}"
-                    f"{'' if self.budget_source == 'given' else ' (' + self.budget_source + ')'}: a dry step of {_sections(self.plan)} read 0 bytes, "
-                    f"{below_resolution(self.meter.devices)}; give sections as an int or a list of names, or "
-                    f"measure with TF_ENABLE_ONEDNN_OPTS=0.", 0, self.plan, 0)
+                if self._refusal is None:
+                    self._log_replan(
+                        f"sections='auto': a dry step of {_sections(self.plan)} read 0 bytes, "
+                        f"{below_resolution(self.meter.devices)}: the plan for memory_budget="
+                        f"{rules.human_bytes(self.memory_budget)} is the cost model's estimate from tensor shapes "
+                        f"(predicted peak {rules.human_bytes(self.plan.predicted_peak)}), not measured; for a "
+                        f"measured plan run with TF_ENABLE_ONEDNN_OPTS=0")
                 return
             self.fixed_extra = measured - (self.plan.predicted_peak - self.plan.extra_bytes)
             runs.append((self.plan, measured, self.fixed_extra, self._compiled(), seconds))
