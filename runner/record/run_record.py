@@ -230,7 +230,7 @@ def summary(metrics: dict) -> str:
               else "-"),
              ("examples/s", _num(metrics.get("examples_per_second"), ".0f")),
              ("step peak", human_bytes(metrics["step_peak_bytes"]) if metrics.get("step_peak_bytes") is not None
-              else "not measured (the allocator keeps no statistics)"),
+              else f"not measured ({metrics.get('memory_note') or 'the allocator keeps no statistics'})"),
              ("forward runs", metrics.get("forward_runs_per_section"))]
     if "rerun_flops" in metrics:
         rows.append(("re-run FLOPs", f"{metrics['rerun_flops']:.3g}"))

@@ -212,7 +212,8 @@ def describe_setup(engine, batch: int) -> dict:
         "section_blocks": [len(s.block_names) for s in engine.sections],
         "policies": [s.policy for s in engine.sections],
         "num_blocks": len(engine.network.blocks),
-        "memory_measured": bool(getattr(getattr(engine, "meter", None), "available", False)),
+        "memory_measured": bool(getattr(engine, "memory_measured", False)),
+        "memory_note": getattr(engine, "memory_note", None),  # why not measured (None: measured)
         "lean": getattr(engine, "lean", None),  # None: a trainer without lean gradients (whole, recompute_grad)
         # where the optimizer applied the gradients: in the backward section by section, or once at the end (why)
         "apply": "in_backward" if getattr(engine, "apply_reason", "") is None else "at_end",

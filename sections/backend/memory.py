@@ -87,6 +87,13 @@ class MemoryMeter:
         return max(int(tf.config.experimental.get_memory_info(d)["current"]) for d in self.devices)
 
 
+def below_resolution(devices) -> str:
+    """Why a reading of 0 bytes from an allocator that keeps statistics measured nothing."""
+    return (f"every allocation was below the resolution of the allocator of {', '.join(devices)} (read as 0 bytes; "
+            f"oneDNN's CPU allocator counts no allocation under 256 KiB, TF_ENABLE_ONEDNN_OPTS=0 with "
+            f"TF_CPU_ALLOCATOR_USE_BFC=true counts every one)")
+
+
 def _warn_once(devices) -> None:
     global _warned
     if _warned:

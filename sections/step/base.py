@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from .. import rules
 from ..backend.device import OutOfMemory, device_memory, held_outside, resolve_budget
-from ..backend.memory import MemoryMeter
+from ..backend.memory import MemoryMeter, below_resolution
 from ..backend.precision import unscale
 from ..backend.profile import SPEC_BATCH, output_specs, probe_slice, shape_costs
 from ..backend.replicas import Replicas, local_size, scale_for_replicas
@@ -55,6 +55,8 @@ class Trainer:
         self.sections: list[Section] = []
         self.plan = None
         self._built = False
+        #: Whether a step's reading was 0 bytes: nothing it allocated was counted (``memory_note`` says why).
+        self.below_resolution = False
 
     # ------------------------------------------------------------------ build
     def build(self, batch: Mapping[str, tf.Tensor]) -> None:
@@ -141,14 +143,33 @@ class Trainer:
             loss, grads = tf.constant(self.replicas.mean(loss)), [self.replicas.sum(g) for g in grads]
         return loss, unscale(grads, self.optimizer)
 
+    @property
+    def memory_measured(self) -> bool:
+        """Whether steps' memory is measured: the allocator keeps statistics and no step read below their
+        resolution."""
+        return self.meter.available and not self.below_resolution
+
+    @property
+    def memory_note(self) -> str | None:
+        """Why memory is not measured, or None where it is."""
+        if not self.meter.available:
+            return "the allocator keeps no statistics"
+        return below_resolution(self.meter.devices) if self.below_resolution else None
+
     def _stats(self, loss, device_peaks: dict, peaks: list | None = None) -> dict:
         """A step's report: the loss averaged over replicas, forward runs, per-section and per-device peaks
-        (``None`` where the allocator keeps no statistics)."""
+        (``None`` where the allocator keeps no statistics, and for a reading of 0 bytes: an allocator that counts
+        reads no step as 0 unless it counted none of its allocations, as oneDNN's counts none under 256 KiB)."""
         if not self.meter.available:  # nothing measured: never reported as 0 bytes
             peaks, device_peaks = None, {d: None for d in device_peaks}
+        else:
+            if not max(device_peaks.values()):
+                self.below_resolution = True
+            device_peaks = {d: p or None for d, p in device_peaks.items()}
+            peaks = [p or None for p in peaks] if peaks is not None else None
         return {"loss": self.replicas.mean(loss), "forward_runs": self._read_counters(),
                 "peak_bytes": peaks if peaks is not None else [None] * len(self.sections),
-                "step_peak_bytes": max(device_peaks.values()) if self.meter.available else None,
+                "step_peak_bytes": max((p for p in device_peaks.values() if p is not None), default=None),
                 "device_peak_bytes": device_peaks}
 
     def _scale_loss(self, loss):

@@ -15,7 +15,7 @@ from .. import rules
 from ..backend.device import OutOfMemory, release, requested_bytes
 from ..backend.profile import SectionProbe, gradient_bytes, probe_slice, profile_blocks
 from ..backend.lean import lean_scope
-from ..backend.memory import one_op_order
+from ..backend.memory import below_resolution, one_op_order
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import local_size
 from ..backend.structure import nbytes
@@ -220,11 +220,22 @@ class Engine(Trainer):
         one re-running fewest forwards) runs, its prediction what
         its dry step measured (or the optimizer update's, if larger; a plan restored from earlier is dry-run again,
         ``_choose``). When none fits, the refusal names the smallest dry step measured and the
-        budget that would fit it."""
+        budget that would fit it. A dry step that reads 0 bytes (every allocation below the allocator's resolution)
+        checks nothing: the cost model's plan or refusal stands, said to be unmeasured (``replans``)."""
         # (plan, measured peak, the fixed cost that makes its prediction the measurement, state, seconds)
         runs: list = []
         for _ in range(DRY_STEPS):
             measured, seconds = self._dry_step(batch)
+            if not measured:  # nothing counted: the plan (or refusal) stays the model's, from shapes, and says so
+                self.below_resolution = True
+                if self._refusal is None:
+                    self._log_replan(
+                        f"sections='auto': a dry step of {_sections(self.plan)} read 0 bytes, "
+                        f"{below_resolution(self.meter.devices)}: the plan for memory_budget="
+                        f"{rules.human_bytes(self.memory_budget)} is the cost model's estimate from tensor shapes "
+                        f"(predicted peak {rules.human_bytes(self.plan.predicted_peak)}), not measured; for a "
+                        f"measured plan run with TF_ENABLE_ONEDNN_OPTS=0")
+                return
             self.fixed_extra = measured - (self.plan.predicted_peak - self.plan.extra_bytes)
             runs.append((self.plan, measured, self.fixed_extra, self._compiled(), seconds))
             fitting = [run for run in runs if self._fits(run[1])]
@@ -516,7 +527,7 @@ class Engine(Trainer):
             apply_peaks = self.meter.peaks()
             device_peaks = {d: max(p, apply_peaks[d]) for d, p in step_peak.items()}
         stats = self._stats(loss, device_peaks, peaks)
-        if self.plan is not None:
+        if self.plan is not None and stats["step_peak_bytes"] is not None:
             # The plan is per replica; replicas on logical CPU devices share one allocator (read as their total).
             sharing = max(1, len(self.replicas.devices()) // len(self.meter.devices))
             self._replan_if_over(stats["step_peak_bytes"] // sharing)

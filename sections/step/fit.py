@@ -12,6 +12,8 @@ compiled functions), so Keras's ``steps_per_execution`` cannot apply.
 
 from __future__ import annotations
 
+import weakref
+
 import keras
 import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
@@ -24,6 +26,9 @@ __all__ = ["SectionedModel"]
 
 _MiB = 2.0**20
 _NAMES_HINT = "SectionedModel(...).network.cut_points lists them all"
+# Which wrapper compiled each wrapped model last (a token per compile): a model wrapped twice is compiled by both,
+# and each wrapper's save must write its own optimizer and compile settings.
+_COMPILED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class SectionedModel(keras.Model):
@@ -101,9 +106,13 @@ class SectionedModel(keras.Model):
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
                         weighted_metrics=weighted_metrics, run_eagerly=run_eagerly, steps_per_execution=1,
                         jit_compile=jit_compile, auto_scale_loss=auto_scale_loss)
-        # The wrapped model shares the optimizer and the loss, so a saved .keras file is the user's compiled
-        # model, optimizer state included, and loads without sectionflow.
-        self.model.compile(optimizer=self.optimizer, loss=loss, loss_weights=loss_weights)
+        # The wrapped model is compiled alike and shares the optimizer, so a saved .keras file is the user's model
+        # compiled as plain Keras would save it (metrics included), optimizer state included, and loads without
+        # sectionflow. Its own loss and metric objects stay unused: the wrapper's train, evaluate and predict.
+        self._model_compile = dict(optimizer=self.optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
+                                   weighted_metrics=weighted_metrics, run_eagerly=run_eagerly,
+                                   jit_compile=jit_compile, auto_scale_loss=auto_scale_loss)
+        self._compile_model()
         self.engine = self._new_engine(self.optimizer)
         self._fit_ready = False
 
@@ -112,9 +121,24 @@ class SectionedModel(keras.Model):
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
                            **kwargs)
 
+    def _compile_model(self) -> None:
+        self.model.compile(**self._model_compile)
+        self._compile_token = _COMPILED_BY[self.model] = object()
+
     def save(self, filepath, overwrite=True, zipped=None, **kwargs):
-        """Saves the wrapped model (a ``.keras`` file ``keras.models.load_model`` reads without sectionflow)."""
+        """Saves the wrapped model (a ``.keras`` file ``keras.models.load_model`` reads without sectionflow), with
+        this wrapper's optimizer and compile settings (another wrapper of the same model may have compiled it)."""
+        if self.compiled and _COMPILED_BY.get(self.model) is not self._compile_token:
+            self._compile_model()
         return self.model.save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    def get_config(self):
+        # Keras's saving writes the object's own class and walks its own attributes, with no hook to hand it the
+        # wrapped model instead: a file of the wrapper would need sectionflow to load and hold the weights under
+        # other names than the user's model's file.
+        raise NotImplementedError(f"SectionedModel {self.name!r} cannot be serialized itself (keras.saving.save_model, "
+                        f"to_json, clone_model): save the model it trains, {self.model.name!r}, with "
+                        f"wrapper.save(path) or keras.saving.save_model(wrapper.model, path).")
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         return self.model.save_weights(filepath, overwrite=overwrite, max_shard_size=max_shard_size)
@@ -153,7 +177,7 @@ class SectionedModel(keras.Model):
         stats = self.engine.train_step(batch)
         self.section_stats = stats
         logs = self.get_metrics_result()
-        if stats["step_peak_bytes"] is not None:  # None: the allocator keeps no statistics (not measured)
+        if stats["step_peak_bytes"] is not None:  # None: not measured (engine.memory_note says why)
             self._epoch_peak = max(self._epoch_peak, stats["step_peak_bytes"])
             logs["step_peak_MiB"] = self._epoch_peak / _MiB
         return logs
@@ -270,8 +294,10 @@ class _SectionTelemetry(keras.callbacks.Callback):
         stats = getattr(self.model, "section_stats", None)
         if not stats or stats["step_peak_bytes"] is None:  # nothing measured: no memory tags
             return
-        peaks = [p or 0 for p in stats["peak_bytes"]]
-        self._peaks = [max(a, b) for a, b in zip(self._peaks, peaks)] if len(self._peaks) == len(peaks) else peaks
+        peaks = stats["peak_bytes"]  # None: a section whose reading measured nothing
+        if len(self._peaks) == len(peaks):
+            peaks = [max((p for p in pair if p is not None), default=None) for pair in zip(self._peaks, peaks)]
+        self._peaks = peaks
         self._step_peak = max(self._step_peak, stats["step_peak_bytes"])
 
     def on_epoch_end(self, epoch, logs=None):
@@ -282,7 +308,8 @@ class _SectionTelemetry(keras.callbacks.Callback):
         with writer.as_default():
             if stats["step_peak_bytes"] is not None:
                 for k, peak in enumerate(self._peaks):
-                    tf.summary.scalar(f"memory_MiB/section_{k}", peak / _MiB, step=epoch)
+                    if peak is not None:
+                        tf.summary.scalar(f"memory_MiB/section_{k}", peak / _MiB, step=epoch)
                 tf.summary.scalar("memory_MiB/step_peak", self._step_peak / _MiB, step=epoch)
             for k, runs in enumerate(stats["forward_runs"]):
                 tf.summary.scalar(f"forward_runs/section_{k}", runs, step=epoch)
@@ -320,9 +347,39 @@ def _regularized(model) -> list:
 
 
 def _check_model(model) -> None:
+    if isinstance(model, SectionedModel):
+        raise ValueError(f"SectionedModel: model {model.name!r} is already a SectionedModel; use it as it is, or "
+                         f"wrap the model it trains ({model.name!r}.model) with other settings.")
     _checked(model, "SectionedModel")
     active = [layer.name for layer in model._flatten_layers() if getattr(layer, "activity_regularizer", None)]
     if active:
         raise ValueError(f"SectionedModel: layer(s) {active} have an activity_regularizer, a loss made inside a "
                          f"section the last section cannot differentiate; move it into compile()'s loss or "
                          f"use a weight regularizer.")
+    adding = _adding_losses(model)
+    if adding:
+        raise ValueError(f"SectionedModel: layer(s) {adding} of model {model.name!r} call add_loss() in call(), a "
+                         f"loss made inside a section the last section cannot differentiate; return the value as one "
+                         f"more output of the model and give that output a loss in compile(), or train this model "
+                         f"with plain fit.")
+
+
+def _adding_losses(model) -> list[str]:
+    """The model's layers whose ``call`` adds a loss (``add_loss``), found by tracing one training call (traced,
+    not run: no state moves). Keras's own layers add none in ``call`` (an ``activity_regularizer`` is checked
+    apart), so only models holding other layers are traced."""
+    if all(type(layer).__module__.startswith("keras.") for layer in model._flatten_layers()):
+        return []
+    found = []
+
+    def trace(*inputs):
+        model(list(inputs) if len(inputs) > 1 else inputs[0], training=True)
+        for layer in model.layers:  # losses: add_loss's, then one per regularized weight
+            regularized = sum(getattr(w, "regularizer", None) is not None for w in layer.trainable_weights)
+            if len(layer.losses) > regularized:
+                found.append(layer.name)
+        return tf.constant(0)
+
+    tf.function(trace, autograph=False).get_concrete_function(*[tf.TensorSpec(t.shape, t.dtype)
+                                                                for t in model.inputs])
+    return found
