@@ -93,7 +93,7 @@ def build_keras_hub(name: str | None = "GPT2Backbone", args: Mapping | None = No
     if targets != "class":
         raise ValueError(f"keras_hub: the data's targets are {targets!r}; only class labels and tokens are supported.")
     _check_data(task, cls.__name__, vocab_size, seq_len, num_classes, input_shape, labels)
-    backbone = _backbone(cls, dict(args or {}), preset, vocab_size, seq_len, input_shape)
+    backbone = _backbone(cls, _plain_args(args), preset, vocab_size, seq_len, input_shape)
     model, loss, metrics, fields = _with_head(backbone, task, num_classes, pad_id, unit)
     first = "image" if task == "image_classification" else "tokens"
     return Network.from_keras(model, loss, inputs=first, metrics=metrics, loss_fields=fields,
@@ -142,6 +142,18 @@ def _check_data(task, name, vocab_size, seq_len, num_classes, input_shape, label
         raise ValueError(f"keras_hub {name} task={task}: the data gives no num_classes.")
 
 
+def _plain_args(args) -> dict:
+    """``model.args`` as plain Python values (a Hydra config's dicts and lists are not)."""
+    if args is None:
+        return {}
+    if not isinstance(args, Mapping):
+        raise ValueError(f"model.args={args!r}: must be a mapping of constructor arguments, e.g. "
+                         f"{{num_layers: 2, hidden_dim: 64}}.")
+    plain = lambda v: ({k: plain(x) for k, x in v.items()} if isinstance(v, Mapping) else
+                       [plain(x) for x in v] if isinstance(v, Sequence) and not isinstance(v, str) else v)
+    return plain(args)
+
+
 def _backbone(cls, args: dict, preset, vocab_size, seq_len, input_shape):
     """The backbone, from its constructor (random weights) or a local preset, sized for the data."""
     params = inspect.signature(cls.__init__).parameters
@@ -166,8 +178,9 @@ def _backbone(cls, args: dict, preset, vocab_size, seq_len, input_shape):
         missing = [k for k, p in params.items() if k != "self" and p.default is p.empty
                    and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and k not in args]
         if missing:
-            raise ValueError(f"model.args: {cls.__name__} needs {', '.join(missing)} (its arguments: "
-                             f"{', '.join(_arguments(params))}).")
+            example = ", ".join(f"{k}: ..." for k in missing)
+            raise ValueError(f"model.args: {cls.__name__} needs {', '.join(missing)}: give model.args={{{example}}} "
+                             f"(its arguments: {', '.join(_arguments(params))}).")
         try:
             backbone = cls(**args)
         except (ValueError, TypeError) as err:
