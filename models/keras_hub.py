@@ -30,6 +30,7 @@ INSTALL = "pip install -e '.[hub]' (python3 tasks.py installs it with the test e
 TASKS = ("causal_lm", "sequence_classification", "token_classification", "image_classification")
 TEXT_INPUTS = ("token_ids", "padding_mask", "segment_ids")
 LN2 = math.log(2.0)
+BASE_ARGS = ("dtype", "name", "trainable")  # what every backbone's **kwargs passes on to keras.Model
 
 
 def keras_hub_module():
@@ -89,15 +90,22 @@ def build_keras_hub(name: str | None = "GPT2Backbone", args: Mapping | None = No
     """
     hub = keras_hub_module()
     cls = _backbone_class(hub, name, preset)
+    args = _plain_args(args)
+    backbone = _from_preset(cls, preset, args) if preset is not None else None
+    cls = type(backbone) if backbone is not None else cls  # name=null: the preset's class
     task = _check_task(task, cls)
     if targets != "class":
         raise ValueError(f"keras_hub: the data's targets are {targets!r}; only class labels and tokens are supported.")
     _check_data(task, cls.__name__, vocab_size, seq_len, num_classes, input_shape, labels)
-    backbone = _backbone(cls, _plain_args(args), preset, vocab_size, seq_len, input_shape)
+    if backbone is None:
+        backbone = _construct(cls, args, vocab_size, seq_len, input_shape)
+    _check_size(backbone, vocab_size, seq_len, input_shape)
     model, loss, metrics, fields = _with_head(backbone, task, num_classes, pad_id, unit)
     first = "image" if task == "image_classification" else "tokens"
-    return Network.from_keras(model, loss, inputs=first, metrics=metrics, loss_fields=fields,
-                              max_blocks=max_blocks, keep=keep, names_hint=NAMES_HINT)
+    net = Network.from_keras(model, loss, inputs=first, metrics=metrics, loss_fields=fields,
+                             max_blocks=max_blocks, keep=keep, names_hint=NAMES_HINT)
+    net.backbone = backbone  # the keras-hub model whose layers (and variables) the blocks run
+    return net
 
 
 # ---------------------------------------------------------------- checks
@@ -154,40 +162,40 @@ def _plain_args(args) -> dict:
     return plain(args)
 
 
-def _backbone(cls, args: dict, preset, vocab_size, seq_len, input_shape):
-    """The backbone, from its constructor (random weights) or a local preset, sized for the data."""
+def _from_preset(cls, preset, args: dict):
+    """The backbone of a local preset folder; ``args`` override its config. Never a download."""
+    path = os.path.expanduser(str(preset))
+    if not os.path.isdir(path):
+        raise ValueError(f"model.preset={preset!r}: not an existing local folder; give a folder written by "
+                         f"backbone.save_to_preset(dir) (presets are never downloaded).")
+    try:
+        return cls.from_preset(path, **args)
+    except (ValueError, TypeError, OSError) as err:
+        raise ValueError(f"model.preset={preset!r}: keras-hub cannot load it as {cls.__name__}: "
+                         f"{' '.join(str(err).split())[:300]}") from err
+
+
+def _construct(cls, args: dict, vocab_size, seq_len, input_shape):
+    """The backbone from its constructor (random weights), sized for the data where ``args`` leave it open."""
     params = inspect.signature(cls.__init__).parameters
-    if preset is not None:
-        path = os.path.expanduser(str(preset))
-        if not os.path.isdir(path):
-            raise ValueError(f"model.preset={preset!r}: not an existing local folder; give a folder written by "
-                             f"backbone.save_to_preset(dir) (presets are never downloaded).")
-        try:
-            backbone = cls.from_preset(path, **args)
-        except (ValueError, TypeError, OSError, FileNotFoundError) as err:
-            raise ValueError(f"model.preset={preset!r}: keras-hub cannot load it as {cls.__name__}: "
-                             f"{' '.join(str(err).split())[:300]}") from err
-    else:
-        _fill(args, params, "vocabulary_size", vocab_size)
-        _fill(args, params, "max_sequence_length", seq_len)
-        _fill(args, params, "image_shape", list(input_shape) if input_shape is not None else None)
-        unknown = [k for k in args if k not in params and "kwargs" not in params]
-        if unknown:
-            raise ValueError(f"model.args: {cls.__name__} takes no {', '.join(unknown)}; its arguments: "
-                             f"{', '.join(_arguments(params))}.")
-        missing = [k for k, p in params.items() if k != "self" and p.default is p.empty
-                   and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and k not in args]
-        if missing:
-            example = ", ".join(f"{k}: ..." for k in missing)
-            raise ValueError(f"model.args: {cls.__name__} needs {', '.join(missing)}: give model.args={{{example}}} "
-                             f"(its arguments: {', '.join(_arguments(params))}).")
-        try:
-            backbone = cls(**args)
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"model.args={args}: {cls.__name__} cannot be built: "
-                             f"{' '.join(str(err).split())[:300]}") from err
-    _check_size(backbone, vocab_size, seq_len, input_shape)
-    return backbone
+    _fill(args, params, "vocabulary_size", vocab_size)
+    _fill(args, params, "max_sequence_length", seq_len)
+    _fill(args, params, "image_shape", list(input_shape) if input_shape is not None else None)
+    unknown = [k for k in args if k not in params and k not in BASE_ARGS]  # **kwargs would take any name silently
+    if unknown:
+        raise ValueError(f"model.args: {cls.__name__} takes no {', '.join(unknown)}; its arguments: "
+                         f"{', '.join(_arguments(params))}.")
+    missing = [k for k, p in params.items() if k != "self" and p.default is p.empty
+               and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and k not in args]
+    if missing:
+        example = ", ".join(f"{k}: ..." for k in missing)
+        raise ValueError(f"model.args: {cls.__name__} needs {', '.join(missing)}: give model.args={{{example}}} "
+                         f"(its arguments: {', '.join(_arguments(params))}).")
+    try:
+        return cls(**args)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"model.args={args}: {cls.__name__} cannot be built: "
+                         f"{' '.join(str(err).split())[:300]}") from err
 
 
 def _fill(args: dict, params, key: str, value) -> None:
