@@ -284,3 +284,67 @@ def test_the_runner_names_a_wrong_cut_and_a_wrong_vocabulary_in_one_line():
         make_network(cfg, data)
     text = str(err.value)
     assert "model.args.vocabulary_size=10: the data has" in text and "\n" not in text, text
+
+
+# ---------------------------------------------------------------- data=tokens
+
+
+def token_file(tmp_path, labels=None):
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 40, (20, SEQ + 1)).astype("int32")
+    x[::2, 12:] = 0  # right padding
+    if labels is None:
+        np.save(tmp_path / "ids.npy", x)
+        return tmp_path / "ids.npy"
+    y = rng.integers(0, 3, 20) if labels == "sequence" else rng.integers(0, 4, x.shape)
+    np.savez(tmp_path / "ids.npz", x=x, y=y)
+    return tmp_path / "ids.npz"
+
+
+def test_token_arrays_are_next_token_windows_or_labelled_rows(tmp_path):
+    from models.data import tokens
+
+    lm = tokens(str(token_file(tmp_path)), pad_id=0)
+    assert lm.model_args == {"vocab_size": 40, "seq_len": SEQ, "pad_id": 0, "unit": "token"}
+    batch = next(iter(lm.train_batches(4, seed=0)))
+    np.testing.assert_array_equal(batch["tokens"][:, 1:], batch["targets"][:, :-1])
+    assert sum(len(b["tokens"]) for b in lm.eval_batches(4)) == lm.test_size == 2
+    labelled = tokens(str(token_file(tmp_path, "token")), y_key="y")
+    assert labelled.model_args["labels"] == "token" and labelled.model_args["num_classes"] == 4
+    batch = next(iter(labelled.train_batches(4)))
+    assert batch["tokens"].shape == batch["label"].shape == (4, SEQ + 1)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"vocab_size": 30}, "data.vocab_size=30: the largest token id in data.path is 39; give a vocab_size > 39"),
+    ({"pad_id": 40}, "data.pad_id=40: must be a token id in 0..39, or null (no padding)."),
+    ({"y_key": "y"}, "data.y_key='y': labels come from an .npz"),
+    ({"test_fraction": 0.01}, "data.test_fraction=0.01: holds out 0 of 20 rows"),
+])
+def test_bad_token_data_is_one_line(tmp_path, kwargs, message):
+    from models.data import tokens
+
+    with pytest.raises(ValueError) as err:
+        tokens(str(token_file(tmp_path)), **kwargs)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_the_model_is_sized_by_the_token_data(tmp_path):
+    from models.data import tokens
+
+    data = tokens(str(token_file(tmp_path, "sequence")), y_key="y", pad_id=0)
+    net = build_keras_hub("BertBackbone", TEXT_ARGS, **data.model_args)
+    assert net.backbone.vocabulary_size == 40 and net.backbone.max_sequence_length == SEQ + 1
+    assert net.source_model.output.shape[-1] == 3 and set(net.metrics) == {"accuracy"}
+    with pytest.raises(ValueError, match=r"^keras_hub GPT2Backbone task=causal_lm needs next-token targets; the data "
+                                         r"has sequence labels: set model\.task=sequence_classification"):
+        build_keras_hub("GPT2Backbone", TEXT_ARGS, **data.model_args)
+
+
+@pytest.mark.slow  # ~7 s; the BERT head steps exactly in test_a_sectioned_step_equals_a_plain_tape_step
+def test_the_runner_trains_a_bert_classifier_on_token_arrays(tmp_path):
+    path = token_file(tmp_path, "sequence")
+    metrics = run_in_process(tmp_path, "model=keras_hub", "model.name=BertBackbone", f"model.args={HUB[1][11:]}",
+                             "data=tokens", f"data.path={path}", "data.y_key=y", "data.pad_id=0", "data.test_fraction=0.2",
+                             "batch=4", "train=smoke", "train.steps=2", "sections=[transformer_layer_0]")
+    assert metrics["step"] == 2 and metrics["exact"] is True and metrics["metric"] == "accuracy"
