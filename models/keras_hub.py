@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from sections import Network
 
-from ._util import check_image_shape, check_int, serializable
+from ._util import check_image_shape, serializable
 from .keras_app import NAMES_HINT
 from .losses import classification_accuracy, classification_loss, sequence_loss, token_accuracy
 
