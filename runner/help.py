@@ -1,4 +1,4 @@
-"""`--help` for a Keras model (`model=keras_app`, `model=keras_file`): the cut names `sections=[...]` may use.
+"""`--help` for a Keras model (`model=keras_app`, `model=keras_file`, `model=keras_hub`): the cut names `sections=[...]` may use.
 
 The names depend on the model and on the data (a resize layer in front of an application is one), so they are
 read from the network the run would build; the answer is cached by config and Keras version, so only the first
@@ -17,7 +17,8 @@ from pathlib import Path
 from runner.errors import ConfigError
 
 FALLBACK_SHAPE = (224, 224, 3)
-KERAS_BUILDERS = ("models.keras_app.build_keras_app", "models.keras_app.build_keras_file")
+KERAS_BUILDERS = ("models.keras_app.build_keras_app", "models.keras_app.build_keras_file",
+                  "models.keras_hub.build_keras_hub")
 
 
 def wants_help(args: list[str]) -> bool:
@@ -79,7 +80,8 @@ def cut_names(cfg) -> dict:
     from omegaconf import OmegaConf
 
     key = {"model": OmegaConf.to_container(cfg.model, resolve=True),
-           "data": OmegaConf.to_container(cfg.data, resolve=True), "keras": metadata.version("keras")}
+           "data": OmegaConf.to_container(cfg.data, resolve=True), "keras": metadata.version("keras"),
+           "keras_hub": _version("keras-hub")}
     path = cfg.model.get("path")
     if path and os.path.isfile(path):
         stat = os.stat(path)
@@ -135,9 +137,16 @@ def _build_names(cfg) -> dict:
         data_cfg.download = False  # --help never downloads (data=mnist): a missing file is one line instead
     data = instantiate(data_cfg, "data")
     net = make_network(cfg, data)
-    label = cfg.model.get("name") or Path(str(cfg.model.get("path"))).name
+    label = cfg.model.get("name") or Path(str(cfg.model.get("path") or cfg.model.get("preset"))).name
     return {"model": f"{net.model_name} ({label})", "boundaries": list(net.boundaries),
             "cut_points": list(net.cut_points), "max_blocks": cfg.model.get("max_blocks", 64)}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _cache_dir() -> Path:

@@ -97,7 +97,7 @@ BAD = [
     (["optimizer.beta1=0.5"], "optimizer.beta1=0.5: unknown key (did you mean 'beta_1'?)"),
     (["batch=abc"], "batch=abc: must be a positive integer, or max"),
     (["engine.jit_compile=maybe"], "engine.jit_compile=maybe: must be true or false"),
-    (["model=nope"], "model=nope: unknown option; allowed: attention, gpt, keras_app, keras_file, mlp, resnet"),
+    (["model=nope"], "model=nope: unknown option; allowed: attention, gpt, keras_app, keras_file, keras_hub, mlp, resnet"),
     (["data=nope"], "data=nope: unknown option; allowed: arrays, digits, image_folder"),
     (["optimizer=nope"], "optimizer=nope: unknown option; allowed: adam"),
     (["optimizer.bogus=1"], "optimizer.bogus=1: unknown key; optimizer has: _target_, learning_rate"),

@@ -13,6 +13,8 @@ from .synthetic import synthetic
 from .text import TextSource, text
 from .tfds import TFDSSource, tfds
 from .tfrecord import TFRecordSource, tfrecord
+from .tokens import LabelledTokenSource, TokenSource, tokens
 
-__all__ = ["digits", "mnist", "synthetic", "sequences", "text", "image_folder", "arrays", "tfrecord", "tfds", "ImageSource",
-           "StreamSource", "compare_fingerprints", "ImageFolderSource", "ArraySource", "TFRecordSource", "TFDSSource", "SequenceSource", "TextSource"]
+__all__ = ["digits", "mnist", "synthetic", "sequences", "text", "image_folder", "arrays", "tfrecord", "tfds", "tokens",
+           "ImageSource", "StreamSource", "compare_fingerprints", "ImageFolderSource", "ArraySource", "TFRecordSource",
+           "TFDSSource", "SequenceSource", "TextSource", "TokenSource", "LabelledTokenSource"]

@@ -23,6 +23,8 @@ def metric_direction(*, _root_) -> str:
                          "hydra.sweeper.direction=maximize or minimize.")
     if OmegaConf.select(_root_, "data.label_format") == "float":  # float targets: mean absolute error
         return "minimize"
+    if target == "models.data.tokens":  # labels: accuracy; none: bits per token
+        return "maximize" if OmegaConf.select(_root_, "data.y_key") is not None else "minimize"
     return direction_of(target)
 
 
