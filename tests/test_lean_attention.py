@@ -23,7 +23,7 @@ def _vector(tensors) -> np.ndarray:
 
 def _mha(rate, dtype, seed=7):
     layer = keras.layers.MultiHeadAttention(N, D // N, dropout=rate, seed=seed, dtype=dtype)
-    x = tf.zeros([B, T, D], dtype)
+    x = tf.zeros([B, T, D], dtype or "float32")
     layer(x, x)
     return layer
 
@@ -156,3 +156,20 @@ def test_the_runner_gpt_attention_runs_lean_and_equals_its_own(monkeypatch):
     assert np.max(np.abs(y.numpy() - y_ref.numpy())) <= 3e-6 * np.max(np.abs(y_ref.numpy()))
     ref, got = _vector(g_ref), _vector(g)
     assert np.linalg.norm(got - ref) <= 3e-6 * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("policy,tolerance", [("mixed_float16", 2e-3), ("mixed_bfloat16", 1.6e-2)])
+def test_under_mixed_precision_a_step_equals_keras_within_half_precision_rounding(monkeypatch, float32_after, policy,
+                                                                                   tolerance):
+    """Tolerance: two units of the half type's rounding (float16 2^-10, bfloat16 2^-7) over the whole gradient."""
+    monkeypatch.setattr(lean_attention_module, "QUERY_BLOCK", 13)
+    keras.config.set_dtype_policy(policy)
+    x = tf.random.stateless_normal([B, T, D], seed=[1, 2])
+    reference, lean = _mha(0.2, None), _mha(0.2, None)
+    for a, b in zip(reference.weights, lean.weights):
+        b.assign(a)
+    y_ref, g_ref = _step(reference, x, False, None, True)
+    y, g = _step(lean, x, True, None, True)
+    assert y.dtype == y_ref.dtype == tf.as_dtype(policy.split("_")[1])
+    ref, got = _vector(g_ref), _vector(g)
+    assert np.linalg.norm(got - ref) <= tolerance * np.linalg.norm(ref)
