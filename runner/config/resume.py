@@ -47,7 +47,7 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
         for name, value in cfg[key].items():
             if name not in merged.get(key, {}):
                 OmegaConf.update(merged, f"{key}.{name}", value, force_add=True)
-    for name in ("batch", "sections", "resume_data"):
+    for name in ("batch", "sections"):
         if name not in merged:
             merged[name] = cfg[name]
     base = OmegaConf.create(OmegaConf.to_container(merged))  # the saved run, as today's runner reads it

@@ -15,7 +15,7 @@ from .. import rules
 from ..backend.device import OutOfMemory, release, requested_bytes
 from ..backend.profile import SectionProbe, gradient_bytes, probe_slice, profile_blocks
 from ..backend.lean import lean_scope
-from ..backend.memory import below_resolution, one_op_order
+from ..backend.memory import one_op_order
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import local_size
 from ..backend.structure import nbytes
@@ -221,21 +221,13 @@ class Engine(Trainer):
         its dry step measured (or the optimizer update's, if larger; a plan restored from earlier is dry-run again,
         ``_choose``). When none fits, the refusal names the smallest dry step measured and the
         budget that would fit it. A dry step that reads 0 bytes (every allocation below the allocator's resolution)
-        checks nothing: the cost model's plan or refusal stands, said to be unmeasured (``replans``)."""
+        checks nothing: ``memory_measured`` turns False and ``memory_note`` says why."""
         # (plan, measured peak, the fixed cost that makes its prediction the measurement, state, seconds)
         runs: list = []
         for _ in range(DRY_STEPS):
             measured, seconds = self._dry_step(batch)
-            if not measured:  # nothing counted: the plan (or refusal) stays the model's, from shapes, and says so
+            if not measured:  # nothing counted: the plans fit on shapes alone; memory_note says so
                 self.below_resolution = True
-                if self._refusal is None:
-                    self._log_replan(
-                        f"sections='auto': a dry step of {_sections(self.plan)} read 0 bytes, "
-                        f"{below_resolution(self.meter.devices)}: the plan for memory_budget="
-                        f"{rules.human_bytes(self.memory_budget)} is the cost model's estimate from tensor shapes "
-                        f"(predicted peak {rules.human_bytes(self.plan.predicted_peak)}), not measured; for a "
-                        f"measured plan run with TF_ENABLE_ONEDNN_OPTS=0")
-                return
             self.fixed_extra = measured - (self.plan.predicted_peak - self.plan.extra_bytes)
             runs.append((self.plan, measured, self.fixed_extra, self._compiled(), seconds))
             fitting = [run for run in runs if self._fits(run[1])]
