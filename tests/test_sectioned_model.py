@@ -521,23 +521,24 @@ def test_numpy_integer_sections():
 
 def test_a_reading_below_the_allocators_resolution_is_not_a_measured_zero():
     """A tiny model's tensors are all under 256 KiB: oneDNN's CPU allocator counts none of them (reads 0 bytes),
-    a BFC allocator (oneDNN off) counts each. Never a 0-byte peak; sections='auto' plans on no 0 reading."""
+    a BFC allocator (oneDNN off) counts each. Never a 0-byte peak: unmeasured (None, with the reason) or above 0.
+    Which allocator a test process ends up with depends on what ran in it before, so both branches are checked
+    by what the engine reports, each against the other readings."""
     x, y = rows()
     wrapped = SectionedModel(built(mlp), sections=2)
     wrapped.compile(SGD(), "sparse_categorical_crossentropy")
     history = wrapped.fit(x, y, batch_size=BATCH, verbose=0)
     stats, engine = wrapped.section_stats, wrapped.engine
     assert 0 not in (stats["step_peak_bytes"], *stats["peak_bytes"], *stats["device_peak_bytes"].values())
-    onednn_pool = os.environ.get("TF_ENABLE_ONEDNN_OPTS") in ("1", "true") and os.environ.get(
-        "TF_CPU_ALLOCATOR_USE_BFC", "").lower() not in ("1", "true")
-    assert engine.memory_measured is (not onednn_pool) is (stats["step_peak_bytes"] is not None)
+    assert engine.memory_measured is (stats["step_peak_bytes"] is not None)
     assert ("step_peak_MiB" in history.history) is engine.memory_measured
+    if not engine.memory_measured:
+        assert "below the resolution of the allocator of CPU:0" in engine.memory_note
     auto = SectionedModel(built(mlp), sections="auto", memory_budget="1MiB")
     auto.compile(SGD(), "sparse_categorical_crossentropy")
     auto.fit(x, y, batch_size=BATCH, verbose=0)
-    if onednn_pool:  # the plan is the cost model's from shapes, and says it was not measured
-        assert "below the resolution of the allocator of CPU:0" in engine.memory_note
-        assert auto.section_stats["step_peak_bytes"] is None and not auto.engine.memory_measured
+    if not auto.engine.memory_measured:  # the plan fits on shapes alone, and says it was not measured
+        assert auto.section_stats["step_peak_bytes"] is None
         assert "below the resolution of the allocator of CPU:0" in auto.engine.memory_note
     else:  # measured, and within the budget
         assert 0 < auto.section_stats["step_peak_bytes"] <= auto.engine.plan.budget == 2**20
