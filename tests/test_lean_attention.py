@@ -173,3 +173,46 @@ def test_under_mixed_precision_a_step_equals_keras_within_half_precision_roundin
     assert y.dtype == y_ref.dtype == tf.as_dtype(policy.split("_")[1])
     ref, got = _vector(g_ref), _vector(g)
     assert np.linalg.norm(got - ref) <= tolerance * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("dtype,tolerance,kv_heads", [
+    pytest.param("float64", 1e-12, 1, id="multi-query-float64"),
+    pytest.param("float32", 3e-6, 2, id="grouped-float32"),
+    pytest.param("float32", 3e-6, 4, id="multi-head-float32", marks=pytest.mark.slow),  # ~3 s; MHA is above
+])
+def test_keras_hub_gemma_attention_runs_lean_and_equals_its_own(monkeypatch, float32_after, dtype, tolerance,
+                                                                kv_heads):
+    """A tiny GemmaBackbone (grouped-query attention, a padded sequence, attention dropout 0.2): the lean step's
+    output and every gradient equal keras-hub's own, its seeds copied in."""
+    keras_hub = pytest.importorskip("keras_hub")
+    monkeypatch.setattr(lean_attention_module, "QUERY_BLOCK", 7)
+    keras.config.set_floatx(dtype)
+
+    def backbone():
+        return keras_hub.models.GemmaBackbone(vocabulary_size=50, num_layers=2, num_query_heads=4,
+                                              num_key_value_heads=kv_heads, hidden_dim=32, intermediate_dim=64,
+                                              head_dim=8, dropout=0.2)
+
+    reference, lean = backbone(), backbone()
+    for a, b in zip(reference.variables, lean.variables):  # weights and seed generator states
+        b.assign(a)
+    tokens = tf.constant(np.random.RandomState(0).randint(0, 50, size=(2, 20)), tf.int32)
+    padding = tf.constant([[1] * 20, [1] * 15 + [0] * 5], tf.int32)
+
+    def step(model, on):
+        @tf.function
+        def run():
+            with tf.GradientTape() as tape:
+                with lean_scope(on):
+                    y = model({"token_ids": tokens, "padding_mask": padding}, training=True)
+                loss = tf.reduce_sum(y * y)
+            return y, tape.gradient(loss, model.trainable_variables)
+        return run()
+
+    before = lean_attention_module.attention_traces()["backward"]
+    y_ref, g_ref = step(reference, False)
+    y, g = step(lean, True)
+    assert lean_attention_module.attention_traces()["backward"] == before + 2  # both decoder blocks
+    assert np.max(np.abs(y.numpy() - y_ref.numpy())) <= tolerance * np.max(np.abs(y_ref.numpy()))
+    ref, got = (_vector([tf.convert_to_tensor(t) for t in grads]) for grads in (g_ref, g))
+    assert np.linalg.norm(got - ref) <= tolerance * np.linalg.norm(ref)

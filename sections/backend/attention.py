@@ -22,6 +22,7 @@ Keras's own.
 from __future__ import annotations
 
 import functools
+import math
 
 import keras
 import tensorflow as tf
@@ -54,7 +55,8 @@ def attention(q, k, v, *, scale: float, mask=None, causal: bool = False, dropout
             with -1e9 (-3e4 in float16) and masked weights zeroed); ``"fused"`` (Keras's
             ``ops.dot_product_attention``: scores cast to at least float32, then scaled, softmax there, masked
             scores filled with -0.7 x the dtype's largest, fully masked rows uniform); ``"float32"`` (the
-            runner's ``gpt``: as ``fused`` with the float32 minimum as the fill).
+            runner's ``gpt``: as ``fused`` with the float32 minimum as the fill); ``"explicit_float32"``
+            (keras-hub's Gemma: as ``explicit`` with the softmax in float32, whatever the scores' dtype).
         block: query rows per block (default ``QUERY_BLOCK``).
     """
     if style not in STYLES:
@@ -73,7 +75,7 @@ def attention(q, k, v, *, scale: float, mask=None, causal: bool = False, dropout
     return _lean(spec)(*args)
 
 
-STYLES = ("explicit", "fused", "float32")
+STYLES = ("explicit", "explicit_float32", "fused", "float32")
 
 
 class _Spec:
@@ -107,13 +109,13 @@ def _lean(spec):
                     dv_b = tf.einsum("bnts,btnh->bsnh", pd, do)
                     dpd = tf.einsum("btnh,bsnh->bnts", do, v)
                     dp = dpd if spec.rate <= 0 else dpd * p.keep
-                    if p.where is not None and spec.style == "explicit":
+                    if p.where is not None and spec.style.startswith("explicit"):
                         dp = tf.where(p.where, dp, tf.zeros_like(dp))
                     dp = tf.cast(dp, p.soft.dtype)
                     ds = p.soft * (dp - tf.reduce_sum(dp * p.soft, axis=-1, keepdims=True))
                     if p.where is not None:  # a fully masked row's uniform weights pass nothing to its scores
                         ds = tf.where(p.where, ds, tf.zeros_like(ds))
-                    if spec.style == "explicit":
+                    if spec.style.startswith("explicit"):
                         ds = tf.cast(ds, q.dtype)
                         dq_b = tf.einsum("bnts,bsnh->btnh", ds, k) * tf.constant(spec.scale, q.dtype)
                     else:  # the scale is applied to the scores, after the cast
@@ -147,9 +149,11 @@ class _Weights:
 def _weights(spec, q, k, v, mask, seed, t0, t1, keep=False):
     """Rows ``t0:t1``: the query block as the scores read it, the softmax (a ``_Weights`` when ``keep``) and the
     dropped-out weights in ``v``'s dtype, rounded as ``spec.style`` says."""
-    if spec.style == "explicit":
+    if spec.style.startswith("explicit"):
         qs = q[:, t0:t1] * tf.constant(spec.scale, q.dtype)
         s = tf.einsum("btnh,bsnh->bnts", qs, k)
+        if spec.style == "explicit_float32":  # keras.layers.Softmax(dtype="float32"): float64 too
+            s = tf.cast(s, tf.float32)
     else:
         qs = q[:, t0:t1]
         s = tf.einsum("btnh,bsnh->bnts", qs, k)
@@ -160,7 +164,7 @@ def _weights(spec, q, k, v, mask, seed, t0, t1, keep=False):
         s = tf.where(where, s, _fill(spec.style, s.dtype))
     soft = tf.nn.softmax(s, axis=-1)
     del s
-    if where is not None and spec.style == "explicit":
+    if where is not None and spec.style.startswith("explicit"):
         soft = tf.where(where, soft, tf.zeros_like(soft))
     p = tf.cast(soft, v.dtype)
     scaled_keep = None
@@ -267,6 +271,28 @@ def mha_compute_attention(layer, original, query, key, value, attention_mask=Non
                     causal=bool(use_causal_mask) and attention_mask is None, dropout=rate, seed=seed,
                     style="explicit" if settings["rate"] > 0 else "fused")
     return out, None
+
+
+def gemma_compute_attention(layer, original, q, k, v, attention_mask, training=False, cache_update_index=0):
+    """keras-hub's ``CachedGemmaAttention._compute_attention`` (grouped-query attention: each key/value head
+    serves ``num_query_heads / num_key_value_heads`` query heads) by ``attention``, or ``NotImplemented``: a logit
+    soft cap (Gemma 2), the fused op (a GPU or TPU), or shapes unknown when traced run keras-hub's own."""
+    if layer.logit_soft_cap is not None or layer._use_fused_attention_op() or not _static(q, k, v):
+        return NotImplemented
+    rate = float(layer.dropout) if training else 0.0
+    if rate > 0 and not philox():
+        return NotImplemented
+    if layer.query_head_dim_normalize:
+        scale = 1 / math.sqrt(layer.head_dim)
+    else:
+        scale = 1 / math.sqrt(layer.hidden_dim // layer.num_query_heads)
+    if layer.use_sliding_window_attention and attention_mask is not None:
+        attention_mask = layer._mask_sliding_window(attention_mask, cache_update_index=cache_update_index)
+    groups = layer.num_query_heads // layer.num_key_value_heads
+    if groups > 1:  # query head n reads key/value head n // groups, as keras-hub's "btkgh,bskh" grouping
+        k, v = tf.repeat(k, groups, axis=2), tf.repeat(v, groups, axis=2)
+    seed = draw_seed(layer.dropout_layer.seed_generator) if rate > 0 else None
+    return attention(q, k, v, scale=scale, mask=attention_mask, dropout=rate, seed=seed, style="explicit_float32")
 
 
 def _static(*tensors) -> bool:

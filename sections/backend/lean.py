@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import weakref
 from typing import Callable, NamedTuple
@@ -441,18 +442,28 @@ def _install() -> None:
 
 
 def _install_attention() -> None:
-    cls = keras.layers.MultiHeadAttention
-    if "attention" in _installed:
+    """``MultiHeadAttention._compute_attention`` (once), and keras-hub's Gemma attention once keras-hub is imported."""
+    _wrap_method("attention", keras.layers.MultiHeadAttention, "_compute_attention", attention.mha_compute_attention)
+    gemma = sys.modules.get("keras_hub.src.models.gemma.gemma_attention")
+    if gemma is not None:
+        _wrap_method("gemma_attention", gemma.CachedGemmaAttention, "_compute_attention",
+                     attention.gemma_compute_attention)
+
+
+def _wrap_method(key: str, cls: type, name: str, lean) -> None:
+    """``cls.name`` runs ``lean(self, original, ...)`` inside ``lean_scope``, the original where that returns
+    ``NotImplemented`` or outside it."""
+    if key in _installed:
         return
-    original = cls._compute_attention
+    original = getattr(cls, name)
 
     @functools.wraps(original)
-    def compute_attention(self, *args, __original=original, **kwargs):
+    def method(self, *args, __original=original, **kwargs):
         if lean_active():
-            out = attention.mha_compute_attention(self, __original, *args, **kwargs)
+            out = lean(self, __original, *args, **kwargs)
             if out is not NotImplemented:
                 return out
         return __original(self, *args, **kwargs)
 
-    _installed["attention"] = original
-    cls._compute_attention = compute_attention
+    _installed[key] = original
+    setattr(cls, name, method)
