@@ -27,6 +27,7 @@ import math
 import keras
 import tensorflow as tf
 
+from . import keras_internals as internals
 from .graph_gradient import custom_gradient
 
 __all__ = ["attention", "lean_attention", "lean_attention_active", "QUERY_BLOCK", "attention_traces"]
@@ -236,15 +237,6 @@ def philox() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- Keras layers
-def keras_settings(layer) -> dict | None:
-    """What ``MultiHeadAttention._compute_attention`` reads from its layer (scale, dropout and its seed
-    generator), or None where the layer's attention is not over the sequence axis (other ``attention_axes``)."""
-    if getattr(layer, "_dot_product_equation", None) != "aecd,abcd->acbe":
-        return None
-    return {"scale": float(layer._inverse_sqrt_key_dim), "rate": float(layer._dropout),
-            "seeds": getattr(getattr(layer, "_dropout_layer", None), "seed_generator", None)}
-
-
 def draw_seed(generator) -> tf.Tensor:
     """The int32 seed Keras's dropout draws from ``generator`` (advancing it as Keras's does)."""
     seed = generator.next()
@@ -256,7 +248,7 @@ def draw_seed(generator) -> tf.Tensor:
 def mha_compute_attention(layer, original, query, key, value, attention_mask=None, training=None,
                           return_attention_scores=False, use_causal_mask=False):
     """``MultiHeadAttention._compute_attention`` by ``attention``, or ``NotImplemented`` to run Keras's own."""
-    settings = keras_settings(layer)
+    settings = internals.attention_settings(layer)
     if (settings is None or return_attention_scores or not _static(query, key, value)
             or not query.dtype.is_floating):
         return NotImplemented
@@ -277,7 +269,8 @@ def gemma_compute_attention(layer, original, q, k, v, attention_mask, training=F
     """keras-hub's ``CachedGemmaAttention._compute_attention`` (grouped-query attention: each key/value head
     serves ``num_query_heads / num_key_value_heads`` query heads) by ``attention``, or ``NotImplemented``: a logit
     soft cap (Gemma 2), the fused op (a GPU or TPU), or shapes unknown when traced run keras-hub's own."""
-    if layer.logit_soft_cap is not None or layer._use_fused_attention_op() or not _static(q, k, v):
+    settings = internals.gemma_settings(layer)
+    if settings is None or layer.logit_soft_cap is not None or settings["fused"] or not _static(q, k, v):
         return NotImplemented
     rate = float(layer.dropout) if training else 0.0
     if rate > 0 and not philox():
@@ -287,11 +280,13 @@ def gemma_compute_attention(layer, original, q, k, v, attention_mask, training=F
     else:
         scale = 1 / math.sqrt(layer.hidden_dim // layer.num_query_heads)
     if layer.use_sliding_window_attention and attention_mask is not None:
-        attention_mask = layer._mask_sliding_window(attention_mask, cache_update_index=cache_update_index)
+        attention_mask = settings["sliding_window"](attention_mask, cache_update_index=cache_update_index)
     groups = layer.num_query_heads // layer.num_key_value_heads
     if groups > 1:  # query head n reads key/value head n // groups, as keras-hub's "btkgh,bskh" grouping
         k, v = tf.repeat(k, groups, axis=2), tf.repeat(v, groups, axis=2)
-    seed = draw_seed(layer.dropout_layer.seed_generator) if rate > 0 else None
+    if rate > 0 and settings["seeds"] is None:
+        return NotImplemented
+    seed = draw_seed(settings["seeds"]) if rate > 0 else None
     return attention(q, k, v, scale=scale, mask=attention_mask, dropout=rate, seed=seed, style="explicit_float32")
 
 

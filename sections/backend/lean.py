@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import threading
 import weakref
 from typing import Callable, NamedTuple
@@ -50,6 +49,7 @@ import tensorflow as tf
 
 from ..rules import check_lean
 from . import attention
+from . import keras_internals as internals
 from .graph_gradient import custom_gradient
 
 __all__ = ["lean_scope", "lean_active", "LEAN_LAYERS", "gradient_traces"]
@@ -128,14 +128,14 @@ def _chain(t):
 # ---------------------------------------------------------------------------------------------- batch norm
 def _batch_norm_call(layer, original, inputs, training=None, mask=None):
     """``BatchNormalization.call`` with a lean gradient, or ``NotImplemented`` to run Keras's own."""
-    if (mask is not None or not training or not layer.trainable or layer.renorm or layer.synchronized
-            or layer._reduction_axes is None):
+    axes = internals.batch_norm_axes(layer)
+    if (mask is not None or not training or not layer.trainable or getattr(layer, "renorm", False)
+            or getattr(layer, "synchronized", False) or axes is None):
         return NotImplemented
     x = tf.convert_to_tensor(inputs)
     if not x.dtype.is_floating or x.shape.rank is None:
         return NotImplemented
     stats_dtype = tf.float64 if x.dtype == tf.float64 else tf.float32  # Keras: result_type(x, "float32")
-    axes = list(layer._reduction_axes)
     x_stats = tf.stop_gradient(tf.cast(x, stats_dtype))
     # Keras's own moments (ops.moments): the same values, so the moving statistics update exactly as in Keras.
     mean, variance = keras.ops.moments(x_stats, axes=axes)
@@ -267,11 +267,10 @@ def _producer_call(layer, original, inputs, *args, **kwargs):
     # activation of an eager forward run inside the scope).
     if not tf.inside_function() or layer.non_trainable_weights:  # no state a re-run could read
         return original(layer, inputs, *args, **kwargs)
-    scope = keras.src.backend.get_autocast_scope()  # re-entered so the re-run casts variables alike
-    dtype = None if scope is None else scope.dtype
+    dtype = internals.autocast_dtype()  # re-entered so the re-run casts variables alike
 
     def run(x):
-        with keras.src.backend.AutocastScope(dtype) if dtype is not None else contextlib.nullcontext():
+        with internals.autocast(dtype):
             return original(layer, x, *args, **kwargs)
 
     chain = _chain(inputs) if _remaking_inputs() else None
@@ -444,10 +443,9 @@ def _install() -> None:
 def _install_attention() -> None:
     """``MultiHeadAttention._compute_attention`` (once), and keras-hub's Gemma attention once keras-hub is imported."""
     _wrap_method("attention", keras.layers.MultiHeadAttention, "_compute_attention", attention.mha_compute_attention)
-    gemma = sys.modules.get("keras_hub.src.models.gemma.gemma_attention")
+    gemma = internals.gemma_attention_class()
     if gemma is not None:
-        _wrap_method("gemma_attention", gemma.CachedGemmaAttention, "_compute_attention",
-                     attention.gemma_compute_attention)
+        _wrap_method("gemma_attention", gemma, "_compute_attention", attention.gemma_compute_attention)
 
 
 def _wrap_method(key: str, cls: type, name: str, lean) -> None:

@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from .. import rules
+from ..backend import keras_internals as internals
 from ..rules import name_list
 from .network import Network, unique_variables
 
@@ -146,8 +147,9 @@ class _Graph:
         self.fn = _functional(model)
         self.input_ids = [id(x) for x in self.fn.inputs]
         self.nodes = []
-        for depth in sorted(self.fn._nodes_by_depth, reverse=True):
-            for node in self.fn._nodes_by_depth[depth]:
+        by_depth = internals.nodes_by_depth(self.fn)
+        for depth in sorted(by_depth, reverse=True):
+            for node in by_depth[depth]:
                 if node.operation is not None and not node.is_input:
                     self.nodes.append(node)
         producer = {id(x): i for i, n in enumerate(self.nodes) for x in n.outputs}
@@ -224,7 +226,7 @@ class _Graph:
         return keras.ops.convert_to_tensor(x, dtype=ref.dtype)
 
     def pack_outputs(self, flat):
-        out = tf.nest.pack_sequence_as(self.fn._outputs_struct, flat)
+        out = tf.nest.pack_sequence_as(internals.outputs_struct(self.fn), flat)
         if isinstance(out, (list, tuple)) and len(out) == 1:
             return out[0]
         return out
@@ -342,13 +344,11 @@ def _checked(model, user: str = "Network.from_keras"):
     if not isinstance(model, keras.Model):
         raise ValueError(f"{user} needs a keras.Model (Functional or Sequential); got {type(model).__name__}.")
     if isinstance(model, keras.Sequential):
-        if getattr(model, "_functional", None) is None:
+        if internals.functional_graph(model) is None:
             raise ValueError(f"{user}: Sequential model {model.name!r} is not built: give it a "
                              f"keras.Input(shape=...) as its first layer, or call model.build(input_shape) first.")
         return model
-    from keras.src.models.functional import Functional
-
-    if not isinstance(model, Functional):
+    if not internals.is_functional(model):
         raise ValueError(
             f"{user} cannot cut model {model.name!r} of class {type(model).__name__}: it is a subclassed model, "
             f"whose call() is Python code with no layer graph to cut. Build it with the functional API or "
@@ -359,7 +359,7 @@ def _checked(model, user: str = "Network.from_keras"):
 
 
 def _functional(model):
-    return model._functional if isinstance(model, keras.Sequential) else model
+    return internals.functional_graph(model)
 
 
 def _field_keys(fn, inputs: str, fields) -> dict[int, str]:

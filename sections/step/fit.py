@@ -16,9 +16,9 @@ import weakref
 
 import keras
 import tensorflow as tf
-from keras.src.losses.loss import unscale_loss_for_distribution
 
 from .. import rules
+from ..backend import keras_internals as internals
 from ..network.keras_network import _checked, from_keras
 from .engine import Engine
 
@@ -188,10 +188,10 @@ class SectionedModel(keras.Model):
         y, sample_weight = batch["y"], batch.get("sample_weight")
         loss = self._compute_loss(x=None, y=y, y_pred=outputs, sample_weight=sample_weight, training=True)
         size = tf.shape(tf.nest.flatten(outputs)[0])[0]
-        self._loss_tracker.update_state(unscale_loss_for_distribution(loss), sample_weight=size)
+        self._loss_tracker.update_state(internals.unscale_loss_for_distribution(loss), sample_weight=size)
         self.compute_metrics(None, y, outputs, sample_weight=sample_weight)
         # Keras scales each replica's loss by 1/replicas; the engine scales the loss it differentiates itself.
-        return unscale_loss_for_distribution(loss)
+        return internals.unscale_loss_for_distribution(loss)
 
     def _inputs(self, x) -> dict:
         names = [t.name for t in self.model.inputs]
@@ -304,7 +304,7 @@ class _SectionTelemetry(keras.callbacks.Callback):
         stats = getattr(self.model, "section_stats", None)
         if not stats:
             return
-        writer = self.board._train_writer
+        writer = internals.train_writer(self.board)
         with writer.as_default():
             if stats["step_peak_bytes"] is not None:
                 for k, peak in enumerate(self._peaks):
@@ -351,7 +351,7 @@ def _check_model(model) -> None:
         raise ValueError(f"SectionedModel: model {model.name!r} is already a SectionedModel; use it as it is, or "
                          f"wrap the model it trains ({model.name!r}.model) with other settings.")
     _checked(model, "SectionedModel")
-    active = [layer.name for layer in model._flatten_layers() if getattr(layer, "activity_regularizer", None)]
+    active = [layer.name for layer in internals.flatten_layers(model) if getattr(layer, "activity_regularizer", None)]
     if active:
         raise ValueError(f"SectionedModel: layer(s) {active} have an activity_regularizer, a loss made inside a "
                          f"section the last section cannot differentiate; move it into compile()'s loss or "
@@ -368,7 +368,7 @@ def _adding_losses(model) -> list[str]:
     """The model's layers whose ``call`` adds a loss (``add_loss``), found by tracing one training call (traced,
     not run: no state moves). Keras's own layers add none in ``call`` (an ``activity_regularizer`` is checked
     apart), so only models holding other layers are traced."""
-    if all(type(layer).__module__.startswith("keras.") for layer in model._flatten_layers()):
+    if all(type(layer).__module__.startswith("keras.") for layer in internals.flatten_layers(model)):
         return []
     found = []
 
