@@ -117,8 +117,8 @@ def test_documented_policies_are_the_registry_s():
     assert re.findall(r'"(\w+)"', line.split("#", 1)[1]) == list(rules.POLICIES)
 
 
-def test_readme_config_defaults_are_the_yaml_s():
-    """README's config reference shows each default the YAML holds (the YAML is the one source)."""
+def test_config_reference_defaults_are_the_yaml_s():
+    """docs/CONFIG.md's config reference shows each default the YAML holds (the YAML is the one source)."""
     from omegaconf import OmegaConf
 
     conf = ROOT / "conf"
@@ -127,14 +127,14 @@ def test_readme_config_defaults_are_the_yaml_s():
 
     yaml = {**load("config.yaml"), **{f"engine.{k}": v for k, v in load("engine/default.yaml").items()},
             **{f"train.{k}": v for k, v in load("train/default.yaml").items()}}
-    readme = (ROOT / "README.md").read_text()
-    rows = re.findall(r"^\| `([\w.]+)` \| [^|]*(?:\\\|[^|]*)* \| ([^|]+) \|", readme, re.M)
+    reference = (ROOT / "docs" / "CONFIG.md").read_text()
+    rows = re.findall(r"^\| `([\w.]+)` \| [^|]*(?:\\\|[^|]*)* \| ([^|]+) \|", reference, re.M)
     shown = {key: cell.strip().strip("`") for key, cell in rows if key in yaml}
-    assert len(shown) >= 15, f"README's config table was not found (read {sorted(shown)})"
+    assert len(shown) >= 15, f"docs/CONFIG.md's config table was not found (read {sorted(shown)})"
     words = {"null": None, "true": True, "false": False}
     wrong = {k: (v, yaml[k]) for k, v in shown.items()
              if (words[v] if v in words else yaml_value(v)) != yaml[k]}
-    assert not wrong, f"README's defaults differ from conf/ ({{key: (README, YAML)}}): {wrong}"
+    assert not wrong, f"docs/CONFIG.md's defaults differ from conf/ ({{key: (CONFIG.md, YAML)}}): {wrong}"
 
 
 def yaml_value(text: str):

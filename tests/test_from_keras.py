@@ -130,7 +130,7 @@ APPS = [
 @pytest.mark.parametrize("name,sections,keep", APPS)
 def test_application_sectioned_step_equals_whole_model_step(name, sections, keep):
     extra = {"memory_budget": "8GiB"} if sections == "auto" else {}
-    # Keras's own gradients: these float32 models amplify rounding (README "How exactness is judged"), and lean
+    # Keras's own gradients: these float32 models amplify rounding (docs/RESULTS.md "How exactness is judged"), and lean
     # gradients round differently (2e-4 in MobileNetV2's second loss); lean on these models is checked in float64
     # (tests/test_exact_every_cut.py).
     engine = check_exact(application(name), sections, keep=keep, lean=False, **extra)
