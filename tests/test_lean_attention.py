@@ -216,3 +216,36 @@ def test_keras_hub_gemma_attention_runs_lean_and_equals_its_own(monkeypatch, flo
     assert np.max(np.abs(y.numpy() - y_ref.numpy())) <= tolerance * np.max(np.abs(y_ref.numpy()))
     ref, got = (_vector([tf.convert_to_tensor(t) for t in grads]) for grads in (g_ref, g))
     assert np.linalg.norm(got - ref) <= tolerance * np.linalg.norm(ref)
+
+
+def test_sectioned_fit_of_a_keras_hub_gpt2_with_dropout_equals_plain_fit(float32_after):
+    """A dict-input GPT-2 backbone with a dense LM head and dropout 0.1 (attention dropout included), cut between
+    its transformer layers: two steps of ``SectionedModel.fit`` (lean attention on) equal plain ``fit`` of a
+    twin model over the whole update. Dropout masks come from the same seeds: Keras's, replayed exactly."""
+    keras_hub = pytest.importorskip("keras_hub")
+    from sections import SectionedModel
+
+    def model():
+        backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=32,
+                                                 intermediate_dim=64, max_sequence_length=40, dropout=0.1)
+        return keras.Model(backbone.input, keras.layers.Dense(64, name="lm")(backbone.output))
+
+    plain, twin = model(), model()
+    for a, b in zip(plain.variables, twin.variables):  # weights and seed generator states
+        b.assign(a)
+    start = _vector([v.numpy() for v in plain.trainable_variables])
+    rng = np.random.RandomState(0)
+    x = {"token_ids": rng.randint(0, 64, (8, 40)).astype("int32"), "padding_mask": np.ones((8, 40), "int32")}
+    x["padding_mask"][1, 30:] = 0
+    y = rng.randint(0, 64, (8, 40))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    plain.compile(keras.optimizers.SGD(0.5), loss)
+    wrapped = SectionedModel(twin, sections=["transformer_layer_0", "transformer_layer_1"])
+    wrapped.compile(keras.optimizers.SGD(0.5), loss)
+    before = lean_attention_module.attention_traces()["backward"]
+    plain.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    wrapped.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert lean_attention_module.attention_traces()["backward"] > before
+    ref = _vector([v.numpy() for v in plain.trainable_variables])
+    got = _vector([v.numpy() for v in twin.trainable_variables])
+    assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref - start)

@@ -297,9 +297,9 @@ def _static(*tensors) -> bool:
 
 def lean_attention_active() -> bool:
     """Whether attention should run lean here: inside the engine's ``lean_scope`` (``lean=True`` or
-    ``"recompute"``), while tracing a training function."""
+    ``"recompute"``: its training functions, and the eager forward that reads the blocks' output shapes)."""
     from .lean import lean_active
-    return lean_active() and tf.inside_function()
+    return lean_active()
 
 
 def lean_attention(q, k, v, *, scale: float, causal: bool = False, mask=None, dropout: float = 0.0,

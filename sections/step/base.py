@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from .. import rules
 from ..backend.device import OutOfMemory, device_memory, held_outside, resolve_budget
+from ..backend.lean import lean_scope
 from ..backend.memory import MemoryMeter, below_resolution
 from ..backend.precision import unscale
 from ..backend.profile import SPEC_BATCH, output_specs, probe_slice, shape_costs
@@ -73,7 +74,8 @@ class Trainer:
             self.network.build(local)
             self._probe = probe_slice(self.network, local, SPEC_BATCH)
             self._batch_bytes = nbytes(local)
-            self._output_specs, self._input_specs = output_specs(self.network, *self._probe)
+            with lean_scope(getattr(self, "lean", False)):  # lean attention: no n x n tensor in this eager run
+                self._output_specs, self._input_specs = output_specs(self.network, *self._probe)
             starts, policies = self._settle(local)
             self._make_sections(starts, policies)
             self._trainable = self.network.trainable_variables

@@ -372,14 +372,14 @@ def _adding_losses(model) -> list[str]:
         return []
     found = []
 
-    def trace(*inputs):
-        model(list(inputs) if len(inputs) > 1 else inputs[0], training=True)
+    def trace(inputs):
+        model(inputs, training=True)
         for layer in model.layers:  # losses: add_loss's, then one per regularized weight
             regularized = sum(getattr(w, "regularizer", None) is not None for w in layer.trainable_weights)
             if len(layer.losses) > regularized:
                 found.append(layer.name)
         return tf.constant(0)
 
-    tf.function(trace, autograph=False).get_concrete_function(*[tf.TensorSpec(t.shape, t.dtype)
-                                                                for t in model.inputs])
+    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), model.input)  # a dict stays one
+    tf.function(trace, autograph=False).get_concrete_function(specs)
     return found
