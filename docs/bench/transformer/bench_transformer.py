@@ -153,7 +153,7 @@ def run_variant(args) -> dict:
 
         result["error"] = one_line(e)
         result["oom"] = isinstance(e, (tf.errors.ResourceExhaustedError, getattr(sections, "OutOfMemory")))
-        result["traceback_tail"] = traceback.format_exc().splitlines()[-12:]
+        result["traceback_tail"] = [l for l in traceback.format_exc().splitlines() if l.startswith("  File ")][-40:] + traceback.format_exc().splitlines()[-4:]
         result["losses"] = losses
     result["wall"] = round(time.perf_counter() - began, 1)
     return result
