@@ -79,3 +79,17 @@ def float32_after():
     yield
     keras.config.set_floatx("float32")
     keras.config.set_dtype_policy(policy)
+
+
+@pytest.fixture(autouse=True)
+def _op_determinism_restored():
+    """A runner job run in process (train.deterministic=true, the default) turns TensorFlow's op determinism on
+    process-wide; later tests in the worker (an unseeded random op, say) must not inherit it."""
+    from tensorflow.python.framework import config  # is_op_determinism_enabled has no public name
+
+    before = config.is_op_determinism_enabled()
+    yield
+    if config.is_op_determinism_enabled() != before:
+        from runner.run.build import set_determinism
+
+        set_determinism(before)
