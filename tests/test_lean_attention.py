@@ -184,7 +184,8 @@ def test_under_mixed_precision_a_step_equals_keras_within_half_precision_roundin
 
 
 @pytest.mark.parametrize("dtype,tolerance,kv_heads", [
-    pytest.param("float64", 1e-12, 1, id="multi-query-float64"),
+    # float32 only: keras-hub 0.32's Gemma does not run in float64 (its attention output comes back float32)
+    pytest.param("float32", 3e-6, 1, id="multi-query-float32"),
     pytest.param("float32", 3e-6, 2, id="grouped-float32"),
     pytest.param("float32", 3e-6, 4, id="multi-head-float32", marks=pytest.mark.slow),  # ~3 s; MHA is above
 ])
@@ -199,7 +200,7 @@ def test_keras_hub_gemma_attention_runs_lean_and_equals_its_own(monkeypatch, flo
     def backbone():
         return keras_hub.models.GemmaBackbone(vocabulary_size=50, num_layers=2, num_query_heads=4,
                                               num_key_value_heads=kv_heads, hidden_dim=32, intermediate_dim=64,
-                                              head_dim=8, dropout=0.2)
+                                              head_dim=8, dropout=0.2, dtype=dtype)
 
     reference, lean = backbone(), backbone()
     for a, b in zip(reference.variables, lean.variables):  # weights and seed generator states
@@ -220,6 +221,7 @@ def test_keras_hub_gemma_attention_runs_lean_and_equals_its_own(monkeypatch, flo
     before = lean_attention_module.attention_traces()["backward"]
     y_ref, g_ref = step(reference, False)
     y, g = step(lean, True)
+    assert y.dtype == y_ref.dtype == tf.as_dtype(dtype)
     assert lean_attention_module.attention_traces()["backward"] == before + 2  # both decoder blocks
     assert np.max(np.abs(y.numpy() - y_ref.numpy())) <= tolerance * np.max(np.abs(y_ref.numpy()))
     ref, got = (_vector([tf.convert_to_tensor(t) for t in grads]) for grads in (g_ref, g))
