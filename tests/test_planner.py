@@ -263,6 +263,10 @@ def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypat
         pytest.skip(f"premise not met in this process: no later plan re-runs fewer forwards than the first {runs}")
     assert "in 1.00 s" in engine.replans[-1], engine.replans
     if step_seconds > _engine.TIME_NOISE:
+        if any(all(r == 1 for r in count_forward_runs(s)) for s in plans[1:]):
+            # a corrected plan re-running nothing wins by construction (as the whole-budget one disabled above);
+            # seen once in a suite run: the corrected costs fitted one section
+            pytest.skip(f"premise not met in this process: a later plan re-runs nothing ({runs})")
         assert engine.schedule is plans[0] is dry_runs[-1], engine.describe()  # restored, and dry-run again
     else:
         assert sum(count_forward_runs(engine.schedule)) == min(runs) < runs[0], runs
