@@ -188,6 +188,8 @@ def build_gpt(
     seed: int = 0,
     num_classes: int | None = None,
     input_shape=None,
+    pad_id: int | None = None,
+    unit: str | None = None,
 ) -> Network:
     """Blocks ``embed``, ``layer_0`` .. ``layer_{num_layers-1}``, ``head``; input ``tokens``, loss on ``targets``.
 
@@ -202,11 +204,16 @@ def build_gpt(
         tie_embeddings: compute the logits with the token embedding matrix instead of a separate one.
         seed: makes initial weights and dropout draws reproducible.
         num_classes, input_shape: image data's arguments; given, they raise a ValueError naming the mix-up.
+        pad_id, unit: token data's (``data=tokens``); the gpt reads characters, so token rows are refused in one
+            line naming ``model=keras_hub``.
 
     Metrics: ``bits_per_char`` (the loss in bits) and ``accuracy`` (next token).
     """
     reject_data_args("gpt", "text data (vocab_size, seq_len; data=text)", num_classes=num_classes,
                      input_shape=input_shape)
+    if unit == "token" or pad_id is not None:
+        raise ValueError(f"gpt trains on characters (data=text); token-id rows (data=tokens, pad_id={pad_id!r}) "
+                         f"train with model=keras_hub (e.g. model.name=GPT2Backbone)")
     if vocab_size is None or seq_len is None:
         raise ValueError(f"gpt needs vocab_size and seq_len, supplied by text data (data=text); got "
                          f"vocab_size={vocab_size!r}, seq_len={seq_len!r}.")

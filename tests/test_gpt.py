@@ -306,3 +306,11 @@ def test_default_gpt_beats_a_character_bigram_by_a_quarter(tmp_path):
     print(f"\ngpt: {gpt:.4f} bits/char after {metrics['step']} steps (~{train_seconds:.0f} s of steps); "
           f"character bigram (add-one): {bigram:.4f} bits/char; gpt/bigram = {gpt / bigram:.3f}")
     assert gpt <= 0.75 * bigram
+
+
+def test_token_rows_are_refused_in_one_line_naming_keras_hub():
+    from models.gpt import build_gpt
+
+    with pytest.raises(ValueError, match=r"gpt trains on characters .*data=tokens, pad_id=0.* model=keras_hub"):
+        build_gpt(vocab_size=50, seq_len=32, pad_id=0, unit="token")
+    build_gpt(vocab_size=50, seq_len=32, d_model=12, num_layers=1, num_heads=2)  # text data: as before
