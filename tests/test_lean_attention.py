@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import keras
+import keras_hub  # in the test extra: a missing keras-hub fails these tests, never skips them
 
 from sections.backend import attention as lean_attention_module
 from sections.backend.lean import lean_scope
@@ -193,7 +194,6 @@ def test_keras_hub_gemma_attention_runs_lean_and_equals_its_own(monkeypatch, flo
                                                                 kv_heads):
     """A tiny GemmaBackbone (grouped-query attention, a padded sequence, attention dropout 0.2): the lean step's
     output and every gradient equal keras-hub's own, its seeds copied in."""
-    keras_hub = pytest.importorskip("keras_hub")
     monkeypatch.setattr(lean_attention_module, "QUERY_BLOCK", 7)
     keras.config.set_floatx(dtype)
 
@@ -232,7 +232,6 @@ def test_sectioned_fit_of_a_keras_hub_gpt2_with_dropout_equals_plain_fit(float32
     """A dict-input GPT-2 backbone with a dense LM head and dropout 0.1 (attention dropout included), cut between
     its transformer layers: two steps of ``SectionedModel.fit`` (lean attention on) equal plain ``fit`` of a
     twin model over the whole update. Dropout masks come from the same seeds: Keras's, replayed exactly."""
-    keras_hub = pytest.importorskip("keras_hub")
     from sections import SectionedModel
 
     def model():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from types import SimpleNamespace
 
 import keras
 import tensorflow as tf
@@ -71,17 +72,12 @@ def attention(q, k, v, *, scale: float, mask=None, causal: bool = False, dropout
         args.append(mask)
     if dropout > 0.0:
         args.append(tf.cast(seed, tf.int32))
-    spec = _Spec(scale=float(scale), causal=bool(causal), rate=float(dropout), has_mask=mask is not None,
+    spec = SimpleNamespace(scale=float(scale), causal=bool(causal), rate=float(dropout), has_mask=mask is not None,
                  style=style, rows=int(block or QUERY_BLOCK))
     return _lean(spec)(*args)
 
 
 STYLES = ("explicit", "explicit_float32", "fused", "float32")
-
-
-class _Spec:
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
 
 
 def _lean(spec):
