@@ -8,6 +8,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "Engine": ".step.engine", "ReplayMismatchError": ".step.engine", "BudgetExceededError": ".step.engine",
+    "WeightPenalty": ".step.executor",
     "OutOfMemory": ".backend.device", "DeviceMemory": ".backend.device", "device_memory": ".backend.device",
     "device_budget": ".backend.device",
     "SectionedModel": ".step.fit",

@@ -131,7 +131,7 @@ def test_auto_sections_on_a_real_network_with_room_to_spare():
 def _underestimate(monkeypatch, factor=1 / 20):
     """A wrong cost model: activations measured ``factor`` times what they are (20x too small), blocks and
     sections."""
-    from sections.step import engine as _engine
+    from sections.step import calibrate as _engine
 
     real = _engine.profile_blocks
 
@@ -166,15 +166,15 @@ def test_dry_steps_at_build_fold_what_the_model_missed_into_the_prediction(monke
     fixed cost, the schedule is planned again, and the plan's prediction covers the dry step it kept."""
     _engine = _underestimate(monkeypatch)
     dry_peaks = []
-    measure_dry = _engine.Engine._dry_step
-    monkeypatch.setattr(_engine.Engine, "_dry_step",
+    measure_dry = Engine.dry_step
+    monkeypatch.setattr(Engine, "dry_step",
                         lambda self, batch: dry_peaks.append((self.schedule, measure_dry(self, batch))) or dry_peaks[-1][1])
     engine = Engine(conv_stack(depth=8, filters=16), keras.optimizers.SGD(0.1), sections="auto",
                     memory_budget="200MiB")
     engine.build(make_batch(n=64, size=16, classes=10))
     assert dry_peaks and engine.fixed_extra > 0
     assert engine.plan.extra_bytes == engine.fixed_extra and "a dry step held" in engine.describe()
-    last = [peak for schedule, (peak, _) in dry_peaks if schedule == engine.schedule]
+    last = [dry.peak for schedule, dry in dry_peaks if schedule == engine.schedule]
     assert last and engine.plan.predicted_peak >= max(last)
 
 
@@ -195,16 +195,17 @@ def test_a_plan_predicted_too_high_makes_room_for_a_faster_one(monkeypatch):
     tried, and the fastest plan whose dry step fits runs, its steps within the budget."""
     from sections.schedule.program import Schedule
     from sections.schedule.policies import Recompute
-    from sections.step import engine as _engine
+    from sections.step.calibrate import Calibrator, PlanCosts
 
     batch = make_batch(n=8, size=32, classes=10)
     one_section = _one_section_peak(8, 32)
-    base = _engine.Engine._base_bytes
-    monkeypatch.setattr(_engine.Engine, "_base_bytes", lambda self: base(self) + one_section)
+    costs = PlanCosts.of.__func__
+    monkeypatch.setattr(PlanCosts, "of", classmethod(
+        lambda cls, *args: replace(costs(cls, *args), base_bytes=costs(cls, *args).base_bytes + one_section)))
     # The first plan (no dry step yet) re-runs the first half, made by hand: which plan the over-estimated model
     # picks moves with the machine (with oneDNN off it predicted a stored first section far below its dry step,
     # re-running nothing).
-    halves, real_plan = Schedule((3,), (Recompute(), Recompute())), _engine.Engine._plan
+    halves, real_plan = Schedule((3,), (Recompute(), Recompute())), Calibrator.make_plan
 
     def first_cuts(self, scale=1.0, margin=None):
         plan = real_plan(self, scale, margin)
@@ -212,11 +213,10 @@ def test_a_plan_predicted_too_high_makes_room_for_a_faster_one(monkeypatch):
             return plan
         return replace(plan, schedule=halves, forward_runs=tuple(count_forward_runs(halves)))
 
-    monkeypatch.setattr(_engine.Engine, "_plan", first_cuts)
+    monkeypatch.setattr(Calibrator, "make_plan", first_cuts)
     dry_runs = []
-    measure_dry = _engine.Engine._dry_step
-    monkeypatch.setattr(_engine.Engine, "_dry_step",
-                        lambda self, b: dry_runs.append(self.plan) or measure_dry(self, b))
+    measure_dry = Engine.dry_step
+    monkeypatch.setattr(Engine, "dry_step", lambda self, b: dry_runs.append(self.plan) or measure_dry(self, b))
     budget = 2 * one_section  # one dry step of a tiny model moves by a MiB or two
     engine = Engine(conv_stack(depth=6, filters=16), keras.optimizers.SGD(0.1), sections="auto",
                     memory_budget=budget)
@@ -240,16 +240,16 @@ def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypat
     budget = int(1.25 * _one_section_peak(64, 32, depth=8))  # every plan's dry step fits: none holds more than one section
     _engine = _underestimate(monkeypatch, factor=4)
     dry_runs = []
-    measure_dry = _engine.Engine._dry_step
+    measure_dry = Engine.dry_step
 
     def timed(self, b):  # the real peak; each later plan's time step_seconds longer than the one before
-        peak, _ = measure_dry(self, b)
+        dry = measure_dry(self, b)
         dry_runs.append(self.schedule)
-        return peak, 1.0 + step_seconds * (len(dry_runs) - 1)
+        return replace(dry, seconds=1.0 + step_seconds * (len(dry_runs) - 1))
 
-    monkeypatch.setattr(_engine.Engine, "_dry_step", timed)
+    monkeypatch.setattr(Engine, "dry_step", timed)
     # The whole-budget dry step (its own test) may add a plan re-running nothing, which wins by construction.
-    monkeypatch.setattr(_engine.Engine, "_try_bolder", lambda self, batch, runs: None)
+    monkeypatch.setattr(_engine.Calibrator, "try_bolder", lambda self, batch, runs: None)
     engine = Engine(conv_stack(depth=8, filters=16), keras.optimizers.SGD(0.1), sections="auto",
                     memory_budget=budget)
     engine.build(batch)
@@ -280,11 +280,11 @@ def test_after_the_models_plans_the_plan_for_the_whole_budget_is_dry_run_and_run
     nothing and its dry step fits, so it runs, its steps within the budget."""
     from sections.schedule.program import Schedule
     from sections.schedule.policies import Recompute
-    from sections.step import engine as _engine
+    from sections.step.calibrate import Calibrator
 
     batch = make_batch(n=8, size=32, classes=10)
     one_section = _one_section_peak(8, 32)
-    real_plan = _engine.Engine._plan
+    real_plan = Calibrator.make_plan
     # The model's plans: as if its margin left room only for a cut re-running the first half. Made by hand, not
     # by lowering the budget: how far the model over-predicts a model this small differs between machines.
     halves = Schedule((3,), (Recompute(), Recompute()))
@@ -295,10 +295,10 @@ def test_after_the_models_plans_the_plan_for_the_whole_budget_is_dry_run_and_run
             return plan
         return replace(plan, schedule=halves, forward_runs=tuple(count_forward_runs(halves)))
 
-    monkeypatch.setattr(_engine.Engine, "_plan", cutting)
+    monkeypatch.setattr(Calibrator, "make_plan", cutting)
     dry_runs = []
-    measure_dry = _engine.Engine._dry_step
-    monkeypatch.setattr(_engine.Engine, "_dry_step", lambda self, b: dry_runs.append(self.plan) or measure_dry(self, b))
+    measure_dry = Engine.dry_step
+    monkeypatch.setattr(Engine, "dry_step", lambda self, b: dry_runs.append(self.plan) or measure_dry(self, b))
     budget = 2 * one_section
     engine = Engine(conv_stack(depth=6, filters=16), keras.optimizers.SGD(0.1), sections="auto",
                     memory_budget=budget)
@@ -316,28 +316,29 @@ def test_with_ops_in_one_order_a_dry_step_may_fill_the_budget(monkeypatch):
     what its runs differed by is within the budget. With several threads the op order may flip, so a dry step
     also keeps the largest block output and half the margin free. The advice for another run (another process may
     settle on another order) keeps them either way."""
-    from sections.step import engine as _engine
+    from sections.step import calibrate as _engine
 
     engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
     engine.build(make_batch(n=32, size=8, classes=10))
     largest = max(p.output_bytes for p in engine.profiles)
-    engine._dry_spread = 0
+    cal = engine.calibrator
+    cal.dry_spread = 0
     monkeypatch.setattr(engine.section_probe, "largest_spread", lambda: 0)
     budget = engine.memory_budget
     monkeypatch.setattr(_engine, "one_op_order", lambda: True)
-    assert engine._spread() == 0 and engine._fits(budget) and not engine._fits(budget + 1)
-    advised_one = engine._advised(budget)
+    assert cal.spread() == 0 and cal.fits(budget) and not cal.fits(budget + 1)
+    advised_one = cal.advised(budget)
     monkeypatch.setattr(_engine, "one_op_order", lambda: False)
-    assert engine._spread() == largest > 0
-    assert not engine._fits(budget) and not engine._fits(budget - largest)
-    assert engine._fits(int(0.95 * budget) - 1)
-    assert engine._advised(budget) == advised_one >= budget + 2 * largest
+    assert cal.spread() == largest > 0
+    assert not cal.fits(budget) and not cal.fits(budget - largest)
+    assert cal.fits(int(0.95 * budget) - 1)
+    assert cal.advised(budget) == advised_one >= budget + 2 * largest
     # A step within the budget, over its prediction by less than an order flip, keeps the plan (no recompile);
     # with one op order the plan may sit next to the budget, so "within" is the budget itself.
     monkeypatch.setattr(_engine, "one_op_order", lambda: True)
     plan = engine.plan
     engine.plan = replace(plan, predicted_peak=budget - largest // 2, budget=budget)
-    engine._replan_if_over(budget - 1)
+    assert cal.replan_if_over(budget - 1) is None
     assert not engine.replans and engine.plan.schedule == plan.schedule
 
 
@@ -348,24 +349,23 @@ def test_a_dry_step_sets_its_first_run_aside_when_the_first_two_differ(monkeypat
     """Two runs within DRY_NOISE: the larger stands. Apart (a first run of fresh functions meets another heap,
     either way): the first is set aside, a third runs, and the later two give the figure and the spread (at least
     DRY_NOISE of the peak)."""
-    from sections.step.engine import DRY_NOISE
+    from sections.step.executor import DRY_NOISE, Cycle
 
     engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
     batch = make_batch(n=16, size=8, classes=10)
     engine.build(batch)
-    engine._dry_spread = 0
     figures = iter(int(m * MiB) for m in runs_mib)
     seen = []
 
     def cycle(b, ready="keep"):
         seen.append(next(figures))
-        return None, [], [], {"CPU:0": seen[-1]}
+        return Cycle(None, [], [], {"CPU:0": seen[-1]})
 
-    monkeypatch.setattr(engine, "_cycle", cycle)
-    peak, _ = engine._dry_step(engine.replicas.split(dict(batch)))
+    monkeypatch.setattr(engine.executor, "cycle", cycle)
+    dry = engine.dry_step(engine.replicas.split(dict(batch)))
     kept = [int(m * MiB) for m in runs_mib[-2:]]
-    assert len(seen) == calls and peak == int(kept_mib * MiB)
-    assert engine._dry_spread == max(max(kept) - min(kept), int(np.ceil(DRY_NOISE * max(kept))))
+    assert len(seen) == calls and dry.peak == int(kept_mib * MiB)
+    assert dry.spread == max(max(kept) - min(kept), int(np.ceil(DRY_NOISE * max(kept))))
 
 
 @pytest.mark.parametrize("again_mib", [1, 60], ids=["still-fits", "over-now"])
@@ -375,52 +375,52 @@ def test_a_restored_plan_is_dry_run_again_and_its_larger_figure_stands(monkeypat
     larger figure; measuring over the budget it gives way to the next fastest, restored and run again in turn."""
     from sections.schedule.program import Schedule
     from sections.schedule.policies import Recompute
+    from sections.step.calibrate import DryRun
+    from sections.step.executor import DryStep
 
     engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="64MiB")
     batch = make_batch(n=16, size=8, classes=10)
     engine.build(batch)
-    engine._dry_spread = 0
+    engine.calibrator.dry_spread = 0
     monkeypatch.setattr(engine.section_probe, "largest_spread", lambda: 0)
-    fast_state, fast_plan = engine._compiled(), engine.plan
+    fast_state, fast_plan = engine.compiled, engine.plan
     halves = Schedule((2,), (Recompute(), Recompute()))
-    engine._adopt(halves)
+    engine.adopt(halves)
     slow_plan = replace(fast_plan, schedule=halves, forward_runs=tuple(count_forward_runs(halves)))
-    runs = [(fast_plan, 10 * MiB, 0, fast_state, 1.0), (slow_plan, 20 * MiB, 0, engine._compiled(), 2.0)]
+    runs = [DryRun(fast_plan, 10 * MiB, 0, fast_state, 1.0), DryRun(slow_plan, 20 * MiB, 0, engine.compiled, 2.0)]
     dry_runs = []
 
     def dry(b):
         dry_runs.append(engine.schedule)
-        return (10 + again_mib if engine.schedule is fast_state[0] else 21) * MiB, 1.0
+        return DryStep((10 + again_mib if engine.schedule is fast_state.schedule else 21) * MiB, 1.0)
 
-    monkeypatch.setattr(engine, "_dry_step", dry)
-    chosen = engine._choose(engine.replicas.split(dict(batch)), runs)
+    monkeypatch.setattr(engine, "dry_step", dry)
+    chosen = engine.calibrator.choose(engine.replicas.split(dict(batch)), runs)
     if again_mib == 1:
-        assert dry_runs == [fast_state[0]]  # the restored one only: the schedule run last is what the heap holds
-        assert chosen[0] is fast_plan and chosen[1] == 11 * MiB == runs[0][1] and chosen[2] == MiB
-        assert engine.schedule is fast_state[0]
+        assert dry_runs == [fast_state.schedule]  # the restored one only: the program run last is what the heap holds
+        assert chosen.plan is fast_plan and chosen.peak == 11 * MiB == runs[0].peak and chosen.extra == MiB
+        assert engine.schedule is fast_state.schedule
     else:
-        assert dry_runs == [fast_state[0], halves] and runs[0][1] == 70 * MiB
-        assert chosen[0] is slow_plan and chosen[1] == 21 * MiB and engine.schedule is halves
+        assert dry_runs == [fast_state.schedule, halves] and runs[0].peak == 70 * MiB
+        assert chosen.plan is slow_plan and chosen.peak == 21 * MiB and engine.schedule is halves
 
 
 @pytest.mark.parametrize("apply", ["in_backward", "at_end"])
 def test_a_dry_step_changes_no_variable_and_no_counter(monkeypatch, apply):
     """Build's dry steps leave every variable (weights, batch-norm statistics, seeds, the optimizer's) as before,
     and the forward-run counters at zero; where the update runs in the backward, they run its parts too."""
-    from sections.step import engine as _engine
-
     seen = []
-    measure_dry = _engine.Engine._dry_step
+    measure_dry = Engine.dry_step
 
     def checked(self, batch):
         before = [v.numpy().copy() for v in self.network.variables + self.optimizer.variables]
         peak = measure_dry(self, batch)
         after = [v.numpy() for v in self.network.variables + self.optimizer.variables]
         seen.append(all(np.array_equal(a, b) for a, b in zip(before, after)))
-        seen.append(all(int(c.numpy()) == 0 for c in self._counters))
+        seen.append(all(int(c.numpy()) == 0 for c in self.compiled.counters))
         return peak
 
-    monkeypatch.setattr(_engine.Engine, "_dry_step", checked)
+    monkeypatch.setattr(Engine, "dry_step", checked)
     net = conv_stack(depth=4)
     engine = Engine(net, keras.optimizers.Adam(1e-3), sections="auto", memory_budget="10GiB", apply=apply)
     engine.build(make_batch(n=32, size=8, classes=10))
@@ -441,20 +441,20 @@ def test_a_step_over_the_prediction_but_inside_the_budget_keeps_its_plan_when_no
     def nothing_fits(scale=1.0):
         raise ValueError("no partition fits; the smallest predicted peak reachable is 9.9 GiB")
 
-    monkeypatch.setattr(engine, "_plan", nothing_fits)
-    engine._replan_if_over(plan.predicted_peak + MiB)
+    monkeypatch.setattr(engine.calibrator, "make_plan", nothing_fits)
+    engine.calibrator.replan_if_over(plan.predicted_peak + MiB)
     assert engine.plan is plan and "so the plan stays" in engine.replans[0]
     engine.replans.clear()
     with pytest.raises(ValueError, match=r"measured step peak 10\.0 GiB exceeded the plan's prediction .* "
                                          r"and the budget 10\.0 GiB.*no partition fits"):
-        engine._replan_if_over(plan.budget + MiB)
+        engine.calibrator.replan_if_over(plan.budget + MiB)
 
 
 @pytest.mark.parametrize("probe_batch, expected", [(None, 96), (16, 16)])
 def test_the_probe_runs_at_the_real_batch_unless_told(monkeypatch, probe_batch, expected):
     """The planner's per-block probe measures the real batch by default (scaling a small slice up missed
     fixed and batch-dependent costs by up to 16% on the notebook ResNet); ``probe_batch`` asks for a slice."""
-    from sections.step import engine as _engine
+    from sections.step import calibrate as _engine
 
     seen = []
     real = _engine.profile_blocks
@@ -498,18 +498,19 @@ def test_every_step_is_checked_against_the_budget(monkeypatch):
 
 def test_corrections_of_the_cost_model_are_bounded(monkeypatch):
     from sections import BudgetExceededError
-    from sections.step.engine import MAX_REPLANS
+    from sections.step.calibrate import MAX_REPLANS
 
     engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
     engine.build(make_batch(n=32, size=8, classes=10))
     plan = engine.plan
-    monkeypatch.setattr(engine, "_plan", lambda scale=1.0: plan)  # a corrected plan that (says it) fits
+    cal = engine.calibrator
+    monkeypatch.setattr(cal, "make_plan", lambda scale=1.0: plan)  # a corrected plan that (says it) fits
     for _ in range(MAX_REPLANS):
-        engine._replan_if_over(plan.predicted_peak + MiB)
+        cal.replan_if_over(plan.predicted_peak + MiB)
     assert len(engine.replans) == MAX_REPLANS and all("re-planned" in r for r in engine.replans)
-    engine._replan_if_over(plan.predicted_peak + MiB)  # inside the budget: nothing more to do
+    cal.replan_if_over(plan.predicted_peak + MiB)  # inside the budget: nothing more to do
     with pytest.raises(BudgetExceededError, match=f"after {MAX_REPLANS} corrections"):
-        engine._replan_if_over(plan.budget + MiB)
+        cal.replan_if_over(plan.budget + MiB)
 
 
 def test_plans_use_measured_sections_and_name_every_one_they_measured():
@@ -552,7 +553,7 @@ def test_a_plan_with_cuts_stays_within_its_budget_in_measured_steps():
     engine = Engine(conv_stack(depth=16), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
                     memory_budget=budget)
     engine.build(batch)
-    plan, spread = engine.plan, engine._spread()
+    plan, spread = engine.plan, engine.calibrator.spread()
     assert plan.schedule.num_sections > 1
     peaks = [engine.train_step(batch)["step_peak_bytes"] for _ in range(2)]
     assert max(peaks) <= budget, (peaks, engine.describe())
@@ -606,12 +607,10 @@ def test_after_build_the_probe_keeps_no_border_tensors(monkeypatch):
     del probe.measured[(9, 12)]
     assert probe(9, 12) == pytest.approx(measured, rel=0.25) and sorted(probe._borders) == [0, 8]  # re-computed
 
-    from sections.step import engine as _engine
-
     calls = []
     monkeypatch.setattr(SectionProbe, "release", lambda self: calls.append("release"))
-    dry_step = _engine.Engine._dry_step
-    monkeypatch.setattr(_engine.Engine, "_dry_step", lambda self, b: calls.append("dry") or dry_step(self, b))
+    dry_step = Engine.dry_step
+    monkeypatch.setattr(Engine, "dry_step", lambda self, b: calls.append("dry") or dry_step(self, b))
     auto = Engine(conv_stack(depth=4, filters=16), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
     auto.build(make_batch(n=8, size=8, classes=10))
     # Dry steps measure what training will hold: the borders are dropped before each, and once more at the end.

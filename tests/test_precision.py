@@ -219,7 +219,7 @@ def test_borders_are_kept_in_the_compute_dtype(precision, dtype, policy):
     assert border_dtypes == [tf.float32] + [dtype] * 3  # the data comes in as float32; every border after it
     assert [s.input_bytes for s in narrow.sections[1:]] == [s.input_bytes // 2 for s in wide.sections[1:]]
     kept = {}
-    narrow._fns[1].forward = _recording(narrow._fns[1].forward, kept)  # what the forward pass really hands on
+    narrow.compiled.functions[1].forward = _recording(narrow.compiled.functions[1].forward, kept)  # what the forward pass really hands on
     narrow.train_step(batch)
     assert kept["output"].dtype == dtype
 

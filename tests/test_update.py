@@ -65,8 +65,8 @@ def test_a_variable_two_sections_read_is_updated_after_the_earlier_ones_backward
     engine = Engine(net, keras.optimizers.Adam(1e-2), sections=["middle", "again"], apply="in_backward")
     for b in batches:
         engine.train_step(b)
-    shared = [i for i, v in enumerate(engine._trainable) if "shared" in v.path]
-    assert shared and all(i in engine._complete[0] for i in shared)  # both sections read it: the first updates it
+    shared = [i for i, v in enumerate(engine.executor.trainable) if "shared" in v.path]
+    assert shared and all(i in engine.compiled.complete[0] for i in shared)  # both sections read it: the first updates it
     assert_same_variables(reference, net)
 
 
@@ -152,7 +152,7 @@ def test_slots_are_written_into_their_own_buffers(name):
 
 @pytest.mark.parametrize("apply", ["in_backward", "at_end"])
 def test_the_engine_updates_slots_in_place(apply, monkeypatch):
-    import sections.step.engine as engine_module
+    import sections.step.executor as engine_module
     from sections.step.update import assign_in_place
 
     used = []

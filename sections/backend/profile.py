@@ -41,7 +41,7 @@ def shape_costs(network, small, real: int, input_specs, output_specs) -> list[in
     pb = int(tf.nest.flatten(small[network.inputs])[0].shape[0])
     costs = []
     for block, specs in zip(network.blocks, [input_specs, *output_specs[:-1]]):
-        specs = _real_specs(specs, pb)
+        specs = specs_at(specs, pb)
         fn = tf.function(lambda x, b=block: b(x, small, training=True))
         total = 0
         for op in fn.get_concrete_function(specs).graph.get_operations():
@@ -54,7 +54,8 @@ def shape_costs(network, small, real: int, input_specs, output_specs) -> list[in
     return costs
 
 
-def _real_specs(structure, batch: int):
+def specs_at(structure, batch: int):
+    """``structure``'s TensorSpecs with ``batch`` as their first dimension."""
     return tf.nest.map_structure(lambda t: tf.TensorSpec([batch] + t.shape.as_list()[1:], t.dtype), structure)
 
 
@@ -214,8 +215,8 @@ def output_specs(network, small, real: int) -> tuple[list, object]:
     with keras.StatelessScope(state_mapping=mapping):
         for block in network.blocks:
             h = block(h, small, training=True)
-            specs.append(_real_specs(h, real))
-    return specs, _real_specs(small[network.inputs], real)
+            specs.append(specs_at(h, real))
+    return specs, specs_at(small[network.inputs], real)
 
 
 def _measure(meter: MemoryMeter, fn, *args) -> int:
@@ -260,7 +261,7 @@ def profile_blocks(network, small, real: int, meter: MemoryMeter) -> list[BlockP
         kept = max(used - transient, out_bytes) if measured else 2 * out_bytes
         profiles.append(BlockProfile(
             name=block.name,
-            output_bytes=nbytes(_real_specs(out, real)),
+            output_bytes=nbytes(specs_at(out, real)),
             kept_bytes=int(kept * scale),
             transient_bytes=int(transient * scale),
             forward_seconds=seconds,

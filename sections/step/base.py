@@ -14,17 +14,23 @@ from ..backend.precision import unscale
 from ..backend.profile import SPEC_BATCH, output_specs, probe_slice, shape_costs
 from ..backend.replicas import Replicas, local_size, scale_for_replicas
 from ..backend.structure import nbytes
-from ..network.network import Network, unique_variables
+from ..network.network import Network
 from ..schedule.partition import Section, balanced_starts, format_table
+from .compile import Borders, Compiled
 
 
 class Trainer:
     """Base of ``Engine``, ``WholeGraph`` and ``RecomputeGrad``: the same arguments and public methods.
 
-    Subclasses set ``strategy`` and implement ``_settle`` (the partition), ``_compile`` and ``_step``.
+    Subclasses set ``strategy`` and implement ``_settle`` (the partition, compiled: ``compiled``), ``_prepare``
+    (what runs it), ``_step`` and ``_gradients``.
     """
 
     strategy = "?"
+    #: The planner's plan (``sections="auto"``), else None.
+    plan = None
+    #: The partition compiled: sections, their counters and batch fields (and the engine's section functions).
+    compiled: Compiled | None = None
 
     def __init__(self, network: Network, optimizer, sections: int | Sequence[str] | str = 1,
                  policy="recompute", jit_compile: bool = False, memory_budget: int | str | None = None,
@@ -53,8 +59,6 @@ class Trainer:
                                                                     held_outside(self.meter))
         self._sections_arg = sections
         self._starts = network.boundary_starts(sections) if isinstance(sections, list) else None
-        self.sections: list[Section] = []
-        self.plan = None
         self._built = False
         #: Whether a step's reading was 0 bytes: nothing it allocated was counted (``memory_note`` says why).
         self.below_resolution = False
@@ -72,54 +76,32 @@ class Trainer:
         local = self.replicas.first_slice(dict(batch))
         with self.replicas.scope():
             self.network.build(local)
-            self._probe = probe_slice(self.network, local, SPEC_BATCH)
-            self._batch_bytes = nbytes(local)
+            small, real = probe_slice(self.network, local, SPEC_BATCH)
             with lean_scope(getattr(self, "lean", False)):  # lean attention: no n x n tensor in this eager run
-                self._output_specs, self._input_specs = output_specs(self.network, *self._probe)
-            starts, policies = self._settle(local)
-            self._make_sections(starts, policies)
-            self._trainable = self.network.trainable_variables
-            self._var_index = {id(v): i for i, v in enumerate(self._trainable)}
+                outputs, inputs = output_specs(self.network, small, real)
+            #: What the borders hold (specs at the real batch), read without running a step.
+            self.borders = Borders(small, real, inputs, outputs, nbytes(local))
+            self._settle(local)
             self.replicas.check_owned(self.network.variables, self.optimizer)
             if not getattr(self.optimizer, "built", False):
-                self.optimizer.build(self._trainable)
-            self._counters = self._make_counters()
-        self._fields = [self.network.fields_for(s.start, s.stop, list(batch)) for s in self.sections]
-        self._evaluate = tf.function(self.replicas.wrap(self._evaluate_fn))
-        self._evaluate_here = tf.function(self._evaluate_fn)
-        self._compile()
+                self.optimizer.build(self.network.trainable_variables)
+        self._evaluators = (tf.function(self.replicas.wrap(self._evaluate_fn)), tf.function(self._evaluate_fn))
+        self._prepare()
         self._built = True
 
-    def _make_counters(self) -> list[tf.Variable]:
-        # Under a strategy every replica increments its counter; the first replica's count is kept, so
-        # forward runs read per replica.
-        with self.replicas.scope():
-            return [tf.Variable(0, dtype=tf.int64, trainable=False,
-                                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA) for _ in self.sections]
+    @property
+    def sections(self) -> list[Section]:
+        """The sections of the partition in force (empty before ``build``)."""
+        return list(self.compiled.sections) if self.compiled is not None else []
 
     def _balanced_starts(self, count: int) -> list[int]:
         """``count`` sections balanced by activation bytes counted from tensor shapes (the same cut on every
         run and machine, unlike measured memory)."""
         if count == 1:
             return []
-        self.shape_costs = shape_costs(self.network, *self._probe, self._input_specs, self._output_specs)
+        b = self.borders
+        self.shape_costs = shape_costs(self.network, b.probe_slice, b.real_batch, b.input_specs, b.output_specs)
         return balanced_starts(self.shape_costs, count)
-
-    def _make_sections(self, starts, policies) -> None:
-        blocks = self.network.blocks
-        bounds = [0, *starts, len(blocks)]
-        self.sections = []
-        for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            layers = [b.layer for b in blocks[lo:hi]]
-            in_specs = self._input_specs if lo == 0 else self._output_specs[lo - 1]
-            self.sections.append(Section(
-                index=k, start=lo, stop=hi, block_names=[b.name for b in blocks[lo:hi]], policy=policies[k],
-                variables=unique_variables(v for layer in layers for v in layer.trainable_variables),
-                state_variables=unique_variables(v for layer in layers for v in layer.non_trainable_variables),
-                input_bytes=nbytes(in_specs), input_specs=in_specs))
-
-    def _views(self, batch) -> list[dict]:
-        return [{key: batch[key] for key in fields} for fields in self._fields]
 
     # ------------------------------------------------------------------ steps
     def train_step(self, batch: Mapping[str, tf.Tensor]) -> dict:
@@ -140,7 +122,7 @@ class Trainer:
         batch = _as_tensors(self.network, batch)
         self.build(batch)
         loss, grads = self._gradients(self.replicas.split(dict(batch)))
-        self._read_counters()
+        self.read_counters()
         if self.replicas.distributed:  # each replica's gradient of its scaled loss; their sum is the batch's
             loss, grads = tf.constant(self.replicas.mean(loss)), [self.replicas.sum(g) for g in grads]
         return loss, unscale(grads, self.optimizer)
@@ -169,7 +151,7 @@ class Trainer:
                 self.below_resolution = True
             device_peaks = {d: p or None for d, p in device_peaks.items()}
             peaks = [p or None for p in peaks] if peaks is not None else None
-        return {"loss": self.replicas.mean(loss), "forward_runs": self._read_counters(),
+        return {"loss": self.replicas.mean(loss), "forward_runs": self.read_counters(),
                 "peak_bytes": peaks if peaks is not None else [None] * len(self.sections),
                 "step_peak_bytes": max((p for p in device_peaks.values() if p is not None), default=None),
                 "device_peak_bytes": device_peaks}
@@ -180,9 +162,10 @@ class Trainer:
         loss = scale_for_replicas(loss)
         return self.optimizer.scale_loss(loss) if hasattr(self.optimizer, "scale_loss") else loss
 
-    def _read_counters(self) -> list[int]:
-        runs = [int(c.numpy()) for c in self._counters]
-        for c in self._counters:
+    def read_counters(self) -> list[int]:
+        """Each section's forward runs since the last read, and the counters set back to zero."""
+        runs = [int(c.numpy()) for c in self.compiled.counters]
+        for c in self.compiled.counters:
             c.assign(0)
         return runs
 
@@ -199,8 +182,8 @@ class Trainer:
         self.build(batch)
         if self.replicas.distributed and local_size(batch, self.replicas) % self.replicas.count:
             # A batch the replicas cannot share equally (an evaluation set's remainder) runs on one device.
-            return {k: float(v) for k, v in self._evaluate_here(dict(batch)).items()}
-        values = self._evaluate(self.replicas.split(dict(batch)))
+            return {k: float(v) for k, v in self._evaluators[1](dict(batch)).items()}
+        values = self._evaluators[0](self.replicas.split(dict(batch)))
         return {k: self.replicas.mean(v) for k, v in values.items()}
 
     # ------------------------------------------------------------------ reports
@@ -254,9 +237,3 @@ def _fmt_specs(specs) -> str:
     text = ", ".join("x".join(str(d) for d in t.shape.as_list()) for t in leaves)
     return text if len(leaves) == 1 else f"({text})"
 
-
-def add_gradients(a, b):
-    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0),
-                                a.dense_shape)
-    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)

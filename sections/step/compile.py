@@ -1,6 +1,9 @@
-"""The compiled pieces of one section: first forward, replayed forward, re-run backward, and the fused last section."""
+"""Compiling: a schedule's sections and their compiled functions (first forward, replayed forward, re-run backward,
+the fused last section), as one ``Compiled`` record the executor runs."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import keras
 import tensorflow as tf
@@ -8,7 +11,10 @@ import tensorflow as tf
 from ..backend.lean import lean_scope
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import Replicas, local_size
-from ..backend.structure import float_leaves
+from ..backend.structure import float_leaves, nbytes
+from ..network.network import unique_variables
+from ..schedule.partition import Section
+from ..schedule.program import Schedule
 
 
 class ReplayMismatchError(RuntimeError):
@@ -51,7 +57,7 @@ class SectionFunctions:
         self.tol = tol
         self.needs_input_grad = section.index > 0
         batch_args = {"first": (0, 1), "replay": (0, 1), "rerun_backward": (0, 1, 2, 4), "fused": (0, 1)}
-        self._compiled = {name: RelaxedFunction(self.replicas.wrap(getattr(self, "_" + name)), jit_compile, args)
+        self._compiled = {name: RelaxedFunction(self.replicas.wrap(getattr(self, name + "_body")), jit_compile, args)
                           for name, args in batch_args.items()}
 
     def _call(self, name, h, *args):
@@ -105,6 +111,7 @@ class SectionFunctions:
         return self._call("fused", h, view)
 
     # ---------------------------------------------------------------- compiled bodies
+    # Public: ``one_graph`` traces them into one step, and ``flops`` into its cost analysis.
     def _run(self, h, batch):
         self.counter.assign_add(1)
         sec = self.section
@@ -116,17 +123,17 @@ class SectionFunctions:
         # per step, and seed generators replay the first run's random draws.
         return keras.StatelessScope(state_mapping=list(zip(self.section.state_variables, snapshot)))
 
-    def _first(self, h, batch):
+    def first_body(self, h, batch):
         snapshot = [tf.identity(v.value) for v in self.section.state_variables]
         with tf.control_dependencies(snapshot):
             out = self._run(h, batch)
         return out, snapshot
 
-    def _replay(self, h, batch, snapshot):
+    def replay_body(self, h, batch, snapshot):
         with self._replaying(snapshot):
             return self._run(h, batch)
 
-    def _rerun_backward(self, h, batch, upstream, snapshot, expected):
+    def rerun_backward_body(self, h, batch, upstream, snapshot, expected):
         with tf.GradientTape() as tape:
             xs = self.sources(h)
             tape.watch(xs)
@@ -137,7 +144,7 @@ class SectionFunctions:
         diff = max_relative_diff(out, expected) if expected is not None else tf.constant(0.0)
         return grads[: len(xs)], grads[len(xs):], diff
 
-    def _fused(self, h, batch):
+    def fused_body(self, h, batch):
         with tf.GradientTape() as tape:
             xs = self.sources(h)
             tape.watch(xs)
@@ -149,3 +156,95 @@ class SectionFunctions:
 
     def trace_counts(self) -> dict[str, int]:
         return {f"{self.section.name}/{k}": f.tracing_count() for k, f in self._compiled.items()}
+
+
+@dataclass(frozen=True)
+class Borders:
+    """What a network's borders hold, read once at build from an eager forward of a small slice (no step runs):
+    the slice and the real batch size, the input's TensorSpecs and every block output's at the real batch, and
+    the batch's bytes."""
+
+    probe_slice: dict
+    real_batch: int
+    input_specs: object
+    output_specs: list
+    batch_bytes: int
+
+    def specs_before(self, block: int):
+        """The specs of block ``block``'s input (the network input for block 0)."""
+        return self.input_specs if block == 0 else self.output_specs[block - 1]
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A schedule compiled: its sections, each one's forward-run counter, the batch fields it reads, its functions
+    (none for the baselines, which compile one whole step), and per section the trainable variables (indices)
+    whose gradient is whole once its backward has run."""
+
+    schedule: Schedule | None
+    sections: tuple[Section, ...]
+    counters: tuple[tf.Variable, ...]
+    fields: tuple[tuple[str, ...], ...]
+    functions: tuple[SectionFunctions, ...] = ()
+    complete: tuple[tuple[int, ...], ...] = ()
+
+    def views(self, batch) -> list[dict]:
+        """Each section's part of the batch (the fields it reads)."""
+        return [{key: batch[key] for key in fields} for fields in self.fields]
+
+
+def make_sections(network, borders: Borders, starts, policies) -> list[Section]:
+    """The sections of a partition (block starts), with their variables and input borders."""
+    blocks = network.blocks
+    bounds = [0, *starts, len(blocks)]
+    sections = []
+    for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        layers = [b.layer for b in blocks[lo:hi]]
+        in_specs = borders.specs_before(lo)
+        sections.append(Section(
+            index=k, start=lo, stop=hi, block_names=[b.name for b in blocks[lo:hi]], policy=policies[k],
+            variables=unique_variables(v for layer in layers for v in layer.trainable_variables),
+            state_variables=unique_variables(v for layer in layers for v in layer.non_trainable_variables),
+            input_bytes=nbytes(in_specs), input_specs=in_specs))
+    return sections
+
+
+def make_counters(replicas: Replicas, count: int) -> list[tf.Variable]:
+    """One forward-run counter per section. Under a strategy every replica increments its counter; the first
+    replica's count is kept, so forward runs read per replica."""
+    with replicas.scope():
+        return [tf.Variable(0, dtype=tf.int64, trainable=False,
+                            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA) for _ in range(count)]
+
+
+def compile_partition(network, borders: Borders, replicas: Replicas, starts, policies,
+                      schedule: Schedule | None = None, functions=None) -> Compiled:
+    """A partition's sections, counters and fields; ``functions(section, counter)`` makes each section's compiled
+    functions (None: none, as the baselines)."""
+    sections = make_sections(network, borders, starts, policies)
+    counters = make_counters(replicas, len(sections))
+    fields = tuple(tuple(network.fields_for(s.start, s.stop, list(borders.probe_slice))) for s in sections)
+    fns = tuple(functions(s, c) for s, c in zip(sections, counters)) if functions is not None else ()
+    return Compiled(schedule, tuple(sections), tuple(counters), fields, fns, complete_after(network, sections))
+
+
+def compile_schedule(network, borders: Borders, replicas: Replicas, schedule: Schedule, *, jit_compile: bool,
+                     scale_loss, lean) -> Compiled:
+    """A schedule's sections and each one's ``SectionFunctions``."""
+    return compile_partition(
+        network, borders, replicas, list(schedule.starts), [p.name for p in schedule.policies], schedule,
+        lambda s, c: SectionFunctions(network, s, c, jit_compile, scale_loss=scale_loss, replicas=replicas,
+                                      lean=lean))
+
+
+def complete_after(network, sections) -> tuple[tuple[int, ...], ...]:
+    """Per section, the trainable variables (indices into ``network.trainable_variables``) whose gradient is whole
+    once its backward has run: those of no earlier section (the backward runs from the last section to the
+    first)."""
+    index = {id(v): i for i, v in enumerate(network.trainable_variables)}
+    first = {}
+    for section in sections:
+        for v in section.variables:
+            first.setdefault(index.get(id(v)), section.index)
+    first.pop(None, None)  # non-trainable
+    return tuple(tuple(sorted(i for i, k in first.items() if k == section.index)) for section in sections)

@@ -21,6 +21,7 @@ from .. import rules
 from ..backend import keras_internals as internals
 from ..network.keras_network import _checked, from_keras
 from .engine import Engine
+from .executor import WeightPenalty
 
 __all__ = ["SectionedModel"]
 
@@ -186,7 +187,7 @@ class SectionedModel(keras.Model):
         """compile()'s loss on the last section's outputs (run inside its compiled function), and the
         compiled metrics updated from them, as Keras's ``train_step`` does after its forward pass."""
         y, sample_weight = batch["y"], batch.get("sample_weight")
-        loss = self._compute_loss(x=None, y=y, y_pred=outputs, sample_weight=sample_weight, training=True)
+        loss = self.compute_loss(x=None, y=y, y_pred=outputs, sample_weight=sample_weight, training=True)
         size = tf.shape(tf.nest.flatten(outputs)[0])[0]
         self._loss_tracker.update_state(internals.unscale_loss_for_distribution(loss), sample_weight=size)
         self.compute_metrics(None, y, outputs, sample_weight=sample_weight)
@@ -211,71 +212,11 @@ class SectionedModel(keras.Model):
 
     def _new_engine(self, optimizer) -> Engine:
         strategy = self._distribute_strategy
-        engine = _FitEngine(self.network, optimizer, jit_compile=bool(optimizer is not None and self.jit_compile),
-                            distribute=strategy if strategy is not None and strategy.num_replicas_in_sync > 1
-                            else None, regularized=_regularized(self.model), **self._engine_args)
-        engine.dry_state = lambda: [v for m in self.metrics for v in m.variables]  # the loss updates the metrics
-        return engine
-
-
-class _FitEngine(Engine):
-    """The engine, plus weight-regularization gradients for variables outside the last section.
-
-    The last section's loss is Keras's whole loss (regularization of every variable included), but its backward
-    only differentiates its own variables; the regularizers of the others are differentiated here (a function of
-    the weights alone: no activations), scaled as the step's loss is.
-    """
-
-    def __init__(self, *args, regularized=(), **kwargs):
-        super().__init__(*args, **kwargs)
-        self._regularized = list(regularized)
-        self._reg_groups: dict = {}  # "all", or a section index: the regularized variables it differentiates
-        self._reg_fns: dict = {}
-
-    def _cycle(self, batch, ready: str = "keep"):
-        loss, grads, peaks, step_peak = super()._cycle(batch, ready)
-        if ready == "keep":
-            self._add_regularization(grads, "all")
-        return loss, grads, peaks, step_peak
-
-    def _release(self, grads: list, k: int, ready: str) -> None:
-        if ready != "keep":  # updated in the backward: before the variables section k completed are applied
-            self._add_regularization(grads, k)
-        super()._release(grads, k, ready)
-
-    def _add_regularization(self, grads: list, group) -> None:
-        variables = self._reg_groups.get(group)
-        if not variables:
-            return
-        if group not in self._reg_fns:
-            self._reg_fns[group] = tf.function(self.replicas.wrap(lambda: self._regularization_gradients(variables)))
-        self._accumulate(grads, variables, self._reg_fns[group]())
-
-    def _graph_cycle(self, batch):
-        loss, grads = super()._graph_cycle(batch)
-        outside = self._outside_last()
-        if outside:
-            self._accumulate(grads, outside, self._regularization_gradients(outside), in_graph=True)
-        return loss, grads
-
-    def _outside_last(self) -> list:
-        last = {id(v) for v in self.sections[-1].variables}
-        return [v for v in self._regularized if id(v) not in last]
-
-    def _compile(self) -> None:
-        super()._compile()
-        # A re-plan moves the sections' borders: which variables each holds changes.
-        outside = self._outside_last()
-        self._reg_groups = {"all": outside}
-        for k, done in enumerate(self._complete):
-            self._reg_groups[k] = [v for v in outside if self._var_index[id(v)] in set(done)]
-        self._reg_fns = {}
-
-    def _regularization_gradients(self, variables):
-        with tf.GradientTape() as tape:
-            reg = tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in variables])
-            scaled = self._scale_loss(reg)
-        return tape.gradient(scaled, variables)
+        return Engine(self.network, optimizer, jit_compile=bool(optimizer is not None and self.jit_compile),
+                      distribute=strategy if strategy is not None and strategy.num_replicas_in_sync > 1 else None,
+                      penalty=_weight_penalty(self.model),
+                      extra_state=lambda: [v for m in self.metrics for v in m.variables],  # the loss updates them
+                      **self._engine_args)
 
 
 class _SectionTelemetry(keras.callbacks.Callback):
@@ -342,8 +283,13 @@ def _field_names(model) -> dict:
     return {t.name: f"input:{t.name}" for t in model.inputs[1:]}
 
 
-def _regularized(model) -> list:
-    return [v for v in model.trainable_variables if getattr(v, "regularizer", None) is not None]
+def _weight_penalty(model) -> WeightPenalty | None:
+    """The model's weight regularizers as the engine's ``WeightPenalty``: the last section's loss is Keras's whole
+    loss (every variable's regularization included), but its backward differentiates only its own variables."""
+    regularized = tuple(v for v in model.trainable_variables if getattr(v, "regularizer", None) is not None)
+    if not regularized:
+        return None
+    return WeightPenalty(regularized, lambda variables: tf.add_n([tf.reduce_sum(v.regularizer(v)) for v in variables]))
 
 
 def _check_model(model) -> None:

@@ -8,6 +8,7 @@ import tensorflow as tf
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import local_size
 from .base import Trainer
+from .compile import compile_partition
 
 
 class WholeGraph(Trainer):
@@ -29,9 +30,10 @@ class WholeGraph(Trainer):
 
     def _settle(self, batch):
         starts = self._starts if self._starts is not None else self._balanced_starts(self._sections_arg)
-        return starts, [self.strategy] * (len(starts) + 1)
+        self.compiled = compile_partition(self.network, self.borders, self.replicas, starts,
+                                          [self.strategy] * (len(starts) + 1))
 
-    def _compile(self) -> None:
+    def _prepare(self) -> None:
         self._train_fn = RelaxedFunction(self.replicas.wrap(self._train), self.jit_compile, batch_args=(0,))
         self._grads_fn = RelaxedFunction(self.replicas.wrap(self._tape_gradients), self.jit_compile, batch_args=(0,))
 
@@ -45,11 +47,12 @@ class WholeGraph(Trainer):
 
     def _train(self, batch):
         loss, grads = self._tape_gradients(batch)
-        self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, self._trainable) if g is not None])
+        variables = self.network.trainable_variables
+        self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
         return loss
 
     def _run_section(self, sec, h, batch):
-        self._counters[sec.index].assign_add(1)
+        self.compiled.counters[sec.index].assign_add(1)
         return self.network.run_blocks(h, batch, True, sec.start, sec.stop)
 
     def _tape_gradients(self, batch):
@@ -59,7 +62,7 @@ class WholeGraph(Trainer):
                 h = self._section_output(sec, h, batch)
             loss = self.network.loss(h, batch)
             scaled = self._scale_loss(loss)
-        return loss, tape.gradient(scaled, self._trainable)
+        return loss, tape.gradient(scaled, self.network.trainable_variables)
 
     def _section_output(self, sec, h, batch):
         return self._run_section(sec, h, batch)

@@ -74,7 +74,7 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | N
         failed = OutOfMemory.from_error(err, engine.meter, engine.device_memory)
         del err
         restore()
-        engine._read_counters()
+        engine.read_counters()
         raise failed from None
 
     missing = [v.path for v, a, b in zip(network.trainable_variables, ours, theirs) if (a is None) != (b is None)]

@@ -19,9 +19,9 @@ eng.build(batch)
 small, real = probe_slice(net, batch, B)
 probe = SectionProbe(net, small, real, eng.meter)
 G = gradient_bytes(net)
-base = eng._base_bytes()
+base = eng.calibrator.costs.base_bytes
 n = len(net.blocks)
-borders = [nbytes(eng._input_specs)] + [nbytes(s) for s in eng._output_specs]
+borders = [nbytes(eng.borders.input_specs)] + [nbytes(s) for s in eng.borders.output_specs]
 acts = {(s.start, s.stop): probe(s.start, s.stop) for s in eng.sections}
 for i in range(3):
     st = eng.train_step(batch)

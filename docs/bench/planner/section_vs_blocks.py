@@ -23,7 +23,7 @@ eng = Engine(net, keras.optimizers.SGD(0.01, momentum=0.9), sections=nsec)
 eng.build(batch)
 small, real = probe_slice(net, batch, B)
 profs = profile_blocks(net, small, real, eng.meter)
-ch = _Chain(profs, nbytes(eng._input_specs))
+ch = _Chain(profs, nbytes(eng.borders.input_specs))
 meter = eng.meter
 
 def chain_train(s, t):

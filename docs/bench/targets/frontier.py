@@ -69,12 +69,12 @@ def largest_working_set(net, data) -> tuple[int, str]:
     """The largest single operation's backward working set at the real batch, from the blocks' traced forwards."""
     import tensorflow as tf
 
-    from sections.backend.profile import _real_specs, probe_slice
+    from sections.backend.profile import specs_at, probe_slice
 
     small, real = probe_slice(net, data, 8)
     h, best = small[net.inputs], (0, "")
     for block in net.blocks:
-        spec = _real_specs(h, real)
+        spec = specs_at(h, real)
         graph = tf.function(lambda x, b=block: b(x, small, training=True)).get_concrete_function(spec).graph
         for op in graph.get_operations():
             if op.type in _WEIGHT_OPS:

@@ -1,0 +1,383 @@
+"""Planning under a memory budget: the pure planner's plan on measured block costs, corrected by dry steps (plans'
+steps run with their state restored) at build and by measured steps in training."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import tensorflow as tf
+
+from .. import rules
+from ..backend.device import OutOfMemory, release
+from ..backend.lean import lean_scope
+from ..backend.memory import one_op_order
+from ..backend.profile import SectionProbe, gradient_bytes, probe_slice, profile_blocks
+from ..backend.structure import nbytes
+from ..schedule.planner import NoPlanFits, Plan, plan_measured
+from ..schedule.program import Schedule
+from .compile import Borders, Compiled
+from .executor import DRY_NOISE, DryStep
+
+__all__ = ["Calibrator", "DryRun", "PlanCosts", "BudgetExceededError"]
+log = logging.getLogger("sections")
+MAX_REPLANS = 3  # corrections of the cost model by measured steps before a step over the budget stops
+DRY_STEPS = 3  # at most this many steps at build (state restored after) measure what a plan's prediction leaves out
+# Dry steps timed this close to the fastest count as ties, broken by fewer forward runs: one timed run per plan
+# moves by 3-5% on a shared CPU (the notebook ResNet's 0.30 plan flipped between 3 and 4 sections between runs).
+TIME_NOISE = 0.05
+
+
+class BudgetExceededError(ValueError):
+    """A step's measured peak went over ``memory_budget`` and no plan with corrected costs fits it."""
+
+
+class Trials(Protocol):
+    """What calibration runs plans on (the ``Engine``): the program compiled now, compiling a schedule and making
+    it current, returning to one compiled earlier, and a dry step of the current one."""
+
+    compiled: Compiled
+
+    def adopt(self, schedule: Schedule) -> None: ...
+
+    def restore(self, compiled: Compiled) -> None: ...
+
+    def dry_step(self, batch) -> DryStep: ...
+
+
+@dataclass(frozen=True)
+class PlanCosts:
+    """The figures the planner adds to the measured block costs: the network input's bytes, what lives through a
+    whole step (variables, optimizer slots, the batch), and the gradients' cost (per block while held until the
+    update, or None where the update runs in the backward) and the update's."""
+
+    input_bytes: int
+    base_bytes: int
+    grad_bytes: list | None
+    apply_bytes: int
+
+    @classmethod
+    def of(cls, network, optimizer, borders: Borders, in_backward: bool) -> "PlanCosts":
+        """In the backward no section waits on a later one's gradients, and each update holds one section's
+        (those are in its measured backward too): the update is counted with the largest block's."""
+        if not getattr(optimizer, "built", False):
+            optimizer.build(network.trainable_variables)
+        base = sum(nbytes(v) for v in network.variables) + sum(nbytes(v) for v in optimizer.variables)
+        apply = 2 * max((nbytes(v) for v in network.trainable_variables), default=0)  # about two of the largest
+        grads = gradient_bytes(network)
+        if in_backward:
+            return cls(nbytes(borders.input_specs), base + borders.batch_bytes, None, apply + max(grads, default=0))
+        return cls(nbytes(borders.input_specs), base + borders.batch_bytes, grads, apply)
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """One dry step of a plan: its peak, the fixed cost that makes the plan's prediction that peak, the compiled
+    program that ran, and its seconds."""
+
+    plan: Plan
+    peak: int
+    extra: int
+    compiled: Compiled
+    seconds: float
+
+
+def profile(network, batch, probe: int, real: int, meter, lean, budget_note: str) -> tuple[dict, list]:
+    """The per-block probe at ``probe`` examples; where the device has no memory for it, at half as many (down to
+    one), its figures scaled to the real batch. Returns the probe slice and the profiles."""
+    while True:
+        small, _ = probe_slice(network, batch, probe)
+        try:
+            with lean_scope(lean):  # the blocks measured as the sections will run them
+                return small, profile_blocks(network, small, real, meter)
+        except tf.errors.ResourceExhaustedError as err:
+            release(err)
+            if probe == 1:
+                raise NoPlanFits(f"{budget_note}: one block's probe of one example ran out of the device's memory; "
+                                 f"no plan can fit.", 0, None, 0) from None
+            log.warning(f"the block probe at {probe} examples ran out of device memory; probing {probe // 2} and "
+                        f"scaling to {real}")
+            probe = probe // 2
+            del small
+
+
+class Calibrator:
+    """The plan for ``budget`` bytes, from block profiles and a section probe, checked and corrected by dry steps
+    (``calibrate``) and by measured steps (``replan_if_over``, ``replan_below``).
+
+    ``plan`` is the plan in force (or the smallest plan tried when none fits: ``refusal`` says why); ``replans``
+    the corrections made, in words."""
+
+    def __init__(self, profiles: list, section_probe: SectionProbe, costs: PlanCosts, budget: int, budget_source: str,
+                 lean, trials: Trials):
+        self.profiles, self.section_probe, self.costs, self.lean, self.trials = (profiles, section_probe, costs,
+                                                                                 lean, trials)
+        self.budget, self.budget_source = budget, budget_source
+        self.replans: list[str] = []
+        self.fixed_extra = 0  # bytes a dry step measured beside the computed base (what the model leaves out)
+        self.activation_scale = 1.0  # the planner's activation costs times this: corrected by measured steps
+        self.dry_spread = 0  # the most a dry step's repeated runs differed (at least DRY_NOISE of its peak)
+        self.measured_nothing = False  # a dry step read 0 bytes: nothing it allocated was counted
+        self._plan_kept = False
+        self.refusal: NoPlanFits | None = None
+        try:
+            self.plan = self.make_plan()
+        except NoPlanFits as err:  # its smallest plan is dry-run before the refusal is told (Engine.build)
+            self.plan, self.refusal = err.plan, err
+
+    def make_plan(self, scale: float = 1.0, margin: float | None = None) -> Plan:
+        """The planner's plan on the measured costs, activations scaled by ``scale``; ``margin``: the planner's
+        safety margin (its default where None)."""
+        options = {} if margin is None else {"margin": margin}
+        costs = self.costs
+        with lean_scope(self.lean):  # blocks and sections are measured (lazily, here) as the sections will run
+            return plan_measured(self.profiles, costs.input_bytes, self.budget, self.section_probe,
+                                 spread=self.section_probe.largest_spread, base_bytes=costs.base_bytes,
+                                 extra_bytes=self.fixed_extra, activation_scale=scale, grad_bytes=costs.grad_bytes,
+                                 apply_bytes=costs.apply_bytes, **options)
+
+    # ------------------------------------------------------------------ dry steps at build
+    def calibrate(self, batch) -> None:
+        """Dry steps: run plans' steps with their state restored after and keep the fastest one that fits.
+
+        The planner composes a peak from what it measured of each section; a real step also holds what no section
+        probe sees (the executor's buffers, kernel scratch, tensors the Python loop still references) and can
+        hold less (sections measured alone keep more than they do inside a step). The gap between a dry step and
+        its prediction joins the fixed cost (either way) and the schedule is planned again: a plan predicted too
+        high makes room for a faster one, too low for a smaller one; each new schedule is dry-run too (up to
+        ``DRY_STEPS``), and then the plan the model predicts fastest under the whole budget, without its safety
+        margin (``try_bolder``). A plan fits when its dry step plus the run-to-run spread is within the budget
+        and, unless ops run in one order (``fits``), the dry step within ``1 - margin / 2`` of it; of those, the
+        one whose dry step ran fastest (timed, not predicted: the planner's re-run time model ranks close plans
+        wrongly; within ``TIME_NOISE``, the one re-running fewest forwards) runs, its prediction what its dry
+        step measured (or the optimizer update's, if larger; a plan restored from earlier is dry-run again,
+        ``choose``). When none fits, the refusal names the smallest dry step measured and the budget that would
+        fit it. A dry step that reads 0 bytes (every allocation below the allocator's resolution) checks nothing:
+        ``measured_nothing`` turns True."""
+        runs: list[DryRun] = []
+        for _ in range(DRY_STEPS):
+            measured, seconds = self._measure(batch)
+            if not measured:  # nothing counted: the plans fit on shapes alone
+                self.measured_nothing = True
+            self.fixed_extra = measured - (self.plan.predicted_peak - self.plan.extra_bytes)
+            runs.append(DryRun(self.plan, measured, self.fixed_extra, self.trials.compiled, seconds))
+            fitting = [run for run in runs if self.fits(run.peak)]
+            try:
+                plan, refusal = self.make_plan(self.activation_scale), None
+            except NoPlanFits as err:
+                plan, refusal = err.plan, err
+            done = fitting and not _reruns(fitting[-1].plan)  # nothing re-run: none is faster
+            if done or (refusal is not None and fitting) or any(plan.schedule == run.compiled.schedule for run in runs):
+                break
+            self.plan, self.refusal = plan, refusal
+            self.trials.adopt(plan.schedule)
+        self.try_bolder(batch, runs)
+        chosen = self.choose(batch, runs)
+        if chosen is not None:
+            self.fixed_extra, self.refusal = chosen.extra, None
+            # Its step is what its dry step measured (the model's figure for it may be far above: the plan for the
+            # whole budget is predicted without a correction from its own dry step), or the update, which no dry
+            # step runs.
+            self.plan = replace(chosen.plan, predicted_peak=max(chosen.peak, chosen.plan.apply_peak),
+                                budget=self.budget, extra_bytes=self.fixed_extra)
+            if len(runs) > 1:
+                tried = ", ".join(f"{rules.human_bytes(r.peak)} in {r.seconds:.2f} s ({_sections(r.plan)})"
+                                  for r in runs)
+                self.log_replan(f"dry steps measured {tried}; the fastest plan that fits the budget "
+                                f"{rules.human_bytes(self.budget)} runs ({_sections(self.plan)})")
+            return
+        if not runs:  # no dry steps: the model's plan (or refusal) stands
+            return
+        smallest = min(runs, key=lambda run: run.peak)
+        self.refusal = self._refusal(smallest.plan, smallest.peak)
+
+    def _refusal(self, plan: Plan, measured: int) -> NoPlanFits:
+        advised = self.advised(measured)
+        rule = (f"a plan runs when its dry step plus the {rules.human_bytes(self.spread())} by which its runs "
+                f"differed is within the budget (ops run in one order: steps repeat their dry step's peak)"
+                if one_op_order() else
+                f"a plan runs when its dry step plus the {rules.human_bytes(self.spread())} by which identical runs "
+                f"may differ is within the budget and the dry step within {1 - plan.margin / 2:.0%} of it")
+        return NoPlanFits(
+            f"memory_budget={rules.human_bytes(self.budget)} ({self.budget} bytes"
+            f"{'' if self.budget_source == 'given' else '; ' + self.budget_source}): no partition "
+            f"fits; the smallest plan's dry step (run at build, its state restored) measured "
+            f"{rules.human_bytes(measured)} ({measured} bytes); {rule}, and another run's dry step may read "
+            f"{rules.human_bytes(self.order_spread())} higher: the smallest budget that fits is about "
+            f"{rules.human_bytes(advised)}.",
+            measured, plan, advised)
+
+    def _measure(self, batch) -> tuple[int, float]:
+        """The current plan's dry step: its peak and seconds. Where the device has no memory for it, it reads as at
+        least what was in use plus the failing request, and over the budget (a fragmented heap fails below its
+        limit)."""
+        dry = self.trials.dry_step(batch)
+        if dry.ran_out:
+            failed = max(dry.peak, self.budget + 1)
+            log.info(f"a dry step of {_sections(self.plan)} ran out of device memory (at least "
+                     f"{rules.human_bytes(failed)}): it does not fit")
+            return failed, math.inf
+        self.dry_spread = max(self.dry_spread, dry.spread)
+        return dry.peak, dry.seconds
+
+    def choose(self, batch, runs: list[DryRun]) -> DryRun | None:
+        """Of the dry-step runs that fit, the fastest (``fastest``), or None. One that is not the program run last
+        has its functions restored and its dry step run again: after other plans' steps the heap lies otherwise,
+        and the steps that follow repeat what it then holds (a restored plan's steps read 141 MiB over its dry
+        step on ResNet50 at batch 256). The larger figure stands (in ``runs`` too); a plan that no longer fits
+        gives way to the next fastest."""
+        while True:
+            fitting = [run for run in runs if self.fits(run.peak)]
+            if not fitting:
+                return None
+            run = fastest(fitting)
+            if run.compiled is self.trials.compiled:
+                return run
+            self.trials.restore(run.compiled)
+            self.plan = run.plan
+            again, _ = self._measure(batch)
+            if again > run.peak:
+                at = next(i for i, r in enumerate(runs) if r is run)
+                runs[at] = run = replace(run, peak=again, extra=run.extra + again - run.peak)
+            if self.fits(run.peak):
+                return run
+
+    def try_bolder(self, batch, runs: list[DryRun]) -> None:
+        """One more dry step, of the plan the model predicts fastest under the whole budget (no safety margin),
+        where it re-runs fewer forwards than every plan that fit so far. The margin covers the model's error, but
+        a dry step measures the plan itself: where the model over-predicts (a large fused section keeps less than
+        its probes add up to) the margin alone would run plans that re-run far more than the budget needs. A dry
+        step the device has no memory for counts as not fitting."""
+        fitting = [run for run in runs if self.fits(run.peak)]
+        if not runs or any(not _reruns(run.plan) for run in fitting):
+            return
+        try:
+            bold = self.make_plan(self.activation_scale, margin=0.0)
+        except NoPlanFits:
+            return
+        if any(bold.schedule == run.compiled.schedule for run in runs) or (
+                fitting and sum(bold.forward_runs) >= min(sum(run.plan.forward_runs) for run in fitting)):
+            return
+        self.plan = bold
+        self.trials.adopt(bold.schedule)
+        measured, seconds = self._measure(batch)
+        runs.append(DryRun(bold, measured, measured - (bold.predicted_peak - bold.extra_bytes),
+                           self.trials.compiled, seconds))
+
+    # ------------------------------------------------------------------ the fit rule
+    def run_spread(self) -> int:
+        """The most the probe's sections or a dry step's two runs moved."""
+        return max(self.section_probe.largest_spread(), self.dry_spread)
+
+    def order_spread(self) -> int:
+        """How far a step's peak may move between identical runs: ``run_spread``, and at least the largest block
+        output (the executor's op order may keep one more activation alive; a few runs need not show it)."""
+        largest = max((p.output_bytes for p in self.profiles or ()), default=0)
+        return max(self.run_spread(), largest)
+
+    def spread(self) -> int:
+        """What a step may hold beyond its plan's dry step: with ops on one inter-op thread (``one_op_order``) a
+        compiled function runs them in one order every call, so ``run_spread``; else ``order_spread``."""
+        return self.run_spread() if one_op_order() else self.order_spread()
+
+    def ceiling(self, plan: Plan) -> float:
+        """How close to its budget a step may come: the budget itself with one op order (steps repeat their dry
+        step); else ``1 - margin / 2`` of it (the order may flip)."""
+        return plan.budget if one_op_order() else (1 - plan.margin / 2) * plan.budget
+
+    def fits(self, measured: int) -> bool:
+        """Whether a plan whose dry step measured ``measured`` bytes runs under the budget: the dry step plus the
+        spread within the budget, the dry step within ``ceiling``."""
+        return (measured + self.spread() <= self.budget
+                and measured <= self.ceiling(replace(self.plan, budget=self.budget)))
+
+    def advised(self, measured: int) -> int:
+        """The smallest budget (whole MiB) that a plan whose dry step measured ``measured`` fits in another run:
+        another process may settle on another op order (even with one thread), so its dry step may read up to the
+        order spread higher."""
+        again = measured + self.order_spread()
+        need = max(again + self.order_spread(), again / (1 - self.plan.margin / 2))
+        return math.ceil(need / 2**20) * 2**20
+
+    # ------------------------------------------------------------------ corrections in training
+    def replan_if_over(self, measured: int) -> Schedule | None:
+        """Every step: a measured peak above the plan's prediction corrects the cost model and re-plans (up to
+        ``MAX_REPLANS`` times); a step over the budget when no corrected plan fits stops training. A step above
+        the prediction by no more than ``order_spread``, inside ``1 - margin / 2`` of the budget (with one op
+        order: inside the budget), is the executor's op order, not a model error: no re-plan (each would recompile
+        the sections). Returns the new schedule where it changed."""
+        hb, old = rules.human_bytes, self.plan
+        # Within the budget, a step over its dry step by no more than an op-order flip is noise, not a model error:
+        # steps of some models (keras.applications ResNet50 on oneDNN) move by tens of MiB even on one thread.
+        noise = self.order_spread() if measured <= self.ceiling(old) else 0
+        if measured <= old.predicted_peak + noise:
+            return None
+        over_budget = measured > old.budget
+        scale = self.activation_scale * (measured - old.base_bytes) / max(1, old.predicted_peak - old.base_bytes)
+        over = f"measured step peak {hb(measured)} exceeded the plan's prediction {hb(old.predicted_peak)}"
+        if len(self.replans) >= MAX_REPLANS:
+            if over_budget:
+                raise BudgetExceededError(f"{over} and the budget {hb(old.budget)} after {len(self.replans)} "
+                                          f"corrections of the cost model; give a larger memory_budget") from None
+            return None
+        try:
+            plan = self.make_plan(scale)
+        except ValueError as err:
+            if over_budget:
+                raise BudgetExceededError(f"{over} and the budget {hb(old.budget)}; with activation costs corrected "
+                                          f"by {scale:.3g}: {err}") from None
+            if not self._plan_kept:  # inside the budget all the same (the margin absorbed the error): it stays
+                self._plan_kept = True
+                self.log_replan(f"{over} but not the budget {hb(old.budget)}; with activation costs scaled by "
+                                f"{scale:.3f} no plan fits inside the safety margin, so the plan stays")
+            return None
+        self.activation_scale, self.plan = scale, plan
+        budget_note = f" (over the budget {hb(old.budget)})" if over_budget else ""
+        self.log_replan(f"{over}{budget_note}; activation costs scaled by {scale:.3f} and re-planned: "
+                        f"{len(old.schedule.starts) + 1} -> {len(plan.schedule.starts) + 1} sections, "
+                        f"predicted peak {hb(plan.predicted_peak)}")
+        return plan.schedule
+
+    def replan_below(self, err: OutOfMemory, batch) -> None:
+        """After a step ran out of memory: the budget comes down below what was in use when it failed (the
+        allocator could hold no more there: its chunks, or a step heavier than its dry step), unless the failing
+        request alone was larger than the device (no plan makes that fit: the budget stays); the plan is then
+        dry-run again and re-planned, as at build."""
+        total = err.device.total or self.budget
+        if err.requested is None or err.requested < total:
+            self.budget = min(self.budget, max(1, int(err.in_use * (1 - DRY_NOISE))))
+        self.log_replan(f"a step ran out of device memory ({err}); re-planning under "
+                        f"{rules.human_bytes(self.budget)} and running the step again from the state before it")
+        self.calibrate(batch)
+        if self.refusal is not None:
+            refusal, self.refusal = self.refusal, None
+            raise OutOfMemory(f"{err}; no plan fits below it: {refusal}", err.device, err.requested,
+                              err.shape, err.in_use) from None
+
+    def log_replan(self, message: str) -> None:
+        self.replans.append(message)
+        log.warning(message)
+
+
+def fastest(runs: list[DryRun]) -> DryRun:
+    """Of dry-step runs that fit, the one to keep: one re-running nothing if any (the fastest by construction: a
+    timing's noise must not say otherwise); else, of those timed within ``TIME_NOISE`` of the fastest, the one
+    re-running fewest forwards (then faster, then smaller)."""
+    quiet = [run for run in runs if not _reruns(run.plan)]
+    if quiet:
+        return min(quiet, key=lambda run: (run.seconds, run.peak))
+    best = min(run.seconds for run in runs)
+    near = [run for run in runs if run.seconds <= best * (1 + TIME_NOISE)]
+    return min(near, key=lambda run: (sum(run.plan.forward_runs), run.seconds, run.peak))
+
+
+def _reruns(plan: Plan) -> bool:
+    """Whether a plan runs some section's forward more than once."""
+    return max(plan.forward_runs, default=1) > 1
+
+
+def _sections(plan: Plan) -> str:
+    n = plan.schedule.num_sections
+    return f"{n} section" + ("s" if n != 1 else "")
