@@ -8,6 +8,7 @@ from models.keras_app import build_keras_app
 from sections import Engine
 from sections.backend.profile import SectionProbe, gradient_bytes, probe_slice
 from sections.backend.structure import nbytes
+from sections.step.calibrate import PlanCosts
 MiB = 2**20
 keras.utils.set_random_seed(0)
 rng = np.random.default_rng(0)
@@ -19,7 +20,7 @@ eng.build(batch)
 small, real = probe_slice(net, batch, B)
 probe = SectionProbe(net, small, real, eng.meter)
 G = gradient_bytes(net)
-base = eng.calibrator.costs.base_bytes
+base = PlanCosts.of(net, eng.optimizer, eng.borders, eng.apply_reason is None).base_bytes
 n = len(net.blocks)
 borders = [nbytes(eng.borders.input_specs)] + [nbytes(s) for s in eng.borders.output_specs]
 acts = {(s.start, s.stop): probe(s.start, s.stop) for s in eng.sections}
