@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # A folder stands for every module in it.
 LAYERS = {
     "sections": [
-        ("plain", ["sections/rules.py", "sections/allocator.py", "sections/schedule"]),
+        ("plain", ["sections/rules.py", "sections/allocator.py", "sections/telemetry.py", "sections/schedule"]),
         ("backend", ["sections/backend"]),
         ("network", ["sections/network"]),
         ("step", ["sections/step"]),
@@ -32,8 +32,9 @@ LAYERS = {
                         "runner/job.py", "runner/callbacks.py", "runner/report.py"]),
     ],
 }
-#: What of the engine the other packages may import: its public names, its rules, its allocator setting.
-PUBLIC_SECTIONS = {"sections", "sections.rules", "sections.allocator"}
+#: What of the engine the other packages may import: its public names, its rules, its allocator setting, the names
+#: its readings are written under.
+PUBLIC_SECTIONS = {"sections", "sections.rules", "sections.allocator", "sections.telemetry"}
 #: Layers that must load without TensorFlow (the runner checks config with them before anything heavy loads).
 PLAIN = {"plain"}
 TF_MODULES = {"tensorflow", "keras"}

@@ -1,6 +1,6 @@
 """TensorBoard logging: one `tf.summary` writer per run folder; scalars, text, HParams and a custom-scalars layout.
 
-Tags (memory in MiB, the unit in the tag):
+Tags (memory in MiB, the unit in the tag; a step's tags are named once, in `sections.telemetry`):
     loss/train, loss/eval, <metric>/eval          training loss each step; eval figures
     memory_MiB/step_peak, memory_MiB/section_<k>  allocator peak over the step, and during section k's backward
     forward_runs/section_<k>                      forward executions of section k in the step: 1 = ran once,
@@ -19,10 +19,10 @@ import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
 from runner.platform.files import first_line, write_error
+from sections import telemetry
 
 log = logging.getLogger("runner")
 
-MiB = 2**20
 FINAL = ("loss", "eval_loss", "median_step_seconds", "examples_per_second", "step_peak_MiB")
 
 
@@ -70,9 +70,9 @@ class Board:
             return layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(tag=[regex]))
 
         layout = layout_pb2.Layout(category=[layout_pb2.Category(title=f"sections ({sections})", chart=[
-            chart("peak memory during each section's backward (MiB)", r"memory_MiB/section_\d+"),
-            chart("forward runs per section (1 = once, 2 = re-run once)", r"forward_runs/section_\d+"),
-            chart("step peak memory (MiB)", r"memory_MiB/step_peak"),
+            chart("peak memory during each section's backward (MiB)", telemetry.SECTION_PEAK_TAGS),
+            chart("forward runs per section (1 = once, 2 = re-run once)", telemetry.FORWARD_RUNS_TAGS),
+            chart("step peak memory (MiB)", telemetry.STEP_PEAK),
         ])])
         with self.writer.as_default(step=0):
             tf.summary.experimental.write_raw_pb(custom_scalar.pb(layout).SerializeToString(), step=0)
@@ -84,21 +84,15 @@ class Board:
                 if value is not None:
                     tf.summary.scalar(tag, value)
 
-    def train_step(self, step: int, stats: dict, seconds: float, examples: int) -> None:
-        values = {"loss/train": stats["loss"], "memory_MiB/step_peak": _mib(stats["step_peak_bytes"]),
-                  "time/step_seconds": seconds, "throughput/examples_per_second": examples / seconds}
-        devices = stats.get("device_peak_bytes") or {}
-        if len(devices) > 1:  # replicas on devices with their own allocators: each one's step peak
-            values.update({f"memory_MiB/step_peak/{d.replace(':', '_')}": _mib(p) for d, p in devices.items()})
-        for k, (peak, runs) in enumerate(zip(stats["peak_bytes"], stats["forward_runs"])):
-            values[f"memory_MiB/section_{k}"] = _mib(peak)
-            values[f"forward_runs/section_{k}"] = runs
-        self.scalars(step, values)
+    def train_step(self, step: int, stats: telemetry.StepReading, seconds: float, examples: int) -> None:
+        """The step's readings under their tags (``sections.telemetry``), its time and throughput."""
+        self.scalars(step, {**stats.scalars(), "time/step_seconds": seconds,
+                            "throughput/examples_per_second": examples / seconds})
 
     @_one_line_errors
     def final(self, step: int, metrics: dict) -> None:
         """`final/*`: the loss, the eval metric, speed and peak memory: what a sweep compares."""
-        figures = {**metrics, "step_peak_MiB": _mib(metrics.get("step_peak_bytes"))}
+        figures = {**metrics, "step_peak_MiB": telemetry.mib(metrics.get("step_peak_bytes"))}
         names = [*FINAL[:2], metrics.get("metric"), *FINAL[2:]]
         self.scalars(step, {f"final/{k}": figures.get(k) for k in dict.fromkeys(n for n in names if n)
                             if isinstance(figures.get(k), (int, float)) and not isinstance(figures.get(k), bool)})
@@ -184,10 +178,6 @@ def _hparam(value):
     if isinstance(value, int):
         return str(value)
     return _text(value)
-
-
-def _mib(value):
-    return None if value is None else value / MiB
 
 
 def _text(value) -> str:

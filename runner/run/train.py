@@ -17,6 +17,7 @@ from runner.run.build import Setup
 from runner.run.hooks import (Checkpointing, Evaluation, FiniteStop, Hooks, Profiler, ProgressHook, SignalStop,
                               Telemetry)
 from runner.run.progress import Progress
+from sections import telemetry
 from sections.rules import human_bytes
 
 log = logging.getLogger("runner")
@@ -261,22 +262,11 @@ def summarize(history: list, results: dict, data, batch: int, step: int) -> dict
         **{k: v for k, v in results.items() if k not in ("loss", metric)},
         "median_step_seconds": median,
         "examples_per_second": batch / median if median else None,
-        "step_peak_bytes": max((s["step_peak_bytes"] for s, _ in history if s["step_peak_bytes"] is not None),
-                               default=None),
-        # Identical steps can differ by a large allocation or two (op order on several threads varies).
-        "median_step_peak_bytes": _median([s["step_peak_bytes"] for s, _ in history[1:] or history
-                                           if s["step_peak_bytes"] is not None]),
-        "peak_bytes_per_section": [max((v for v in col if v is not None), default=None)
-                                   for col in zip(*(s["peak_bytes"] for s, _ in history))],
-        "forward_runs_per_section": list(last.get("forward_runs", [])),
+        **telemetry.memory_figures([s for s, _ in history]),
     }
     if metrics["step_peak_bytes"] is not None:
         metrics["step_peak"] = human_bytes(metrics["step_peak_bytes"])
     return metrics
-
-
-def _median(values: list):
-    return statistics.median(values) if values else None
 
 
 def _in_sweep() -> bool:

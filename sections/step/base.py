@@ -16,6 +16,7 @@ from ..backend.replicas import Replicas, local_size, scale_for_replicas
 from ..backend.structure import nbytes
 from ..network.network import Network
 from ..schedule.partition import Section, balanced_starts, format_table
+from ..telemetry import StepReading
 from .compile import Borders, Compiled
 
 
@@ -104,10 +105,11 @@ class Trainer:
         return balanced_starts(self.shape_costs, count)
 
     # ------------------------------------------------------------------ steps
-    def train_step(self, batch: Mapping[str, tf.Tensor]) -> dict:
-        """One training step; returns loss, forward runs per section, peak bytes per section and for the step
-        (under a strategy: ``batch`` is the global batch, forward runs are per replica, peaks are the largest
-        replica device's, and ``device_peak_bytes`` has each device's)."""
+    def train_step(self, batch: Mapping[str, tf.Tensor]) -> StepReading:
+        """One training step; returns its ``sections.telemetry.StepReading``: loss, forward runs per section, peak
+        bytes per section and for the step (under a strategy: ``batch`` is the global batch, forward runs are per
+        replica, peaks are the largest replica device's, and ``device_peak_bytes`` has each device's). It reads as
+        a dict too (``stats["loss"]``)."""
         batch = _as_tensors(self.network, batch)
         self.build(batch)
         try:
@@ -140,7 +142,7 @@ class Trainer:
             return "the allocator keeps no statistics"
         return below_resolution(self.meter.devices) if self.below_resolution else None
 
-    def _stats(self, loss, device_peaks: dict, peaks: list | None = None) -> dict:
+    def _stats(self, loss, device_peaks: dict, peaks: list | None = None) -> StepReading:
         """A step's report: the loss averaged over replicas, forward runs, per-section and per-device peaks
         (``None`` where the allocator keeps no statistics, and for a reading of 0 bytes: an allocator that counts
         reads no step as 0 unless it counted none of its allocations, as oneDNN's counts none under 256 KiB)."""
@@ -151,10 +153,10 @@ class Trainer:
                 self.below_resolution = True
             device_peaks = {d: p or None for d, p in device_peaks.items()}
             peaks = [p or None for p in peaks] if peaks is not None else None
-        return {"loss": self.replicas.mean(loss), "forward_runs": self.read_counters(),
-                "peak_bytes": peaks if peaks is not None else [None] * len(self.sections),
-                "step_peak_bytes": max((p for p in device_peaks.values() if p is not None), default=None),
-                "device_peak_bytes": device_peaks}
+        return StepReading(loss=self.replicas.mean(loss), forward_runs=self.read_counters(),
+                           peak_bytes=peaks if peaks is not None else [None] * len(self.sections),
+                           step_peak_bytes=max((p for p in device_peaks.values() if p is not None), default=None),
+                           device_peak_bytes=device_peaks)
 
     def _scale_loss(self, loss):
         """The loss whose gradients a step applies: the optimizer's own scaling (a ``LossScaleOptimizer``'s

@@ -86,12 +86,12 @@ class Engine(Trainer):
                  memory_budget: int | str | None = None, probe_batch: int | None = None, device: str | None = None,
                  distribute=None, one_graph: bool = False, lean: bool | str = True, apply: str = "auto",
                  penalty: WeightPenalty | None = None, extra_state: Callable[[], Sequence] = tuple):
-        sections = rules.as_sections(sections)
         fixed = sections if isinstance(sections, Schedule) else None
         if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
             sections, policy = fixed.num_sections, list(fixed.policies)
         super().__init__(network, optimizer, sections, policy, jit_compile, memory_budget, probe_batch, device,
                          distribute)
+        sections = self._sections_arg  # checked (rules.check_sections_arg), NumPy integers made ints
         self.one_graph = bool(one_graph)
         self.lean = rules.check_lean(lean)
         self.apply = rules.check_apply(apply)
@@ -226,7 +226,7 @@ class Engine(Trainer):
         return "fused (last)" if section.index == len(self.sections) - 1 else section.policy
 
     # ------------------------------------------------------------------ the step
-    def _step(self, batch) -> dict:
+    def _step(self, batch):
         """One step. With ``sections="auto"`` on a device of fixed memory, a step that runs out of memory is
         re-planned below what it reached (dry steps, as at build) and run again from the state before it (saved
         on the host each step), so its loss is an uninterrupted run's; anywhere else it raises ``OutOfMemory``."""
@@ -248,7 +248,7 @@ class Engine(Trainer):
                 self.memory_budget = self.calibrator.budget
         raise AssertionError("unreachable")
 
-    def _run_step(self, batch) -> dict:
+    def _run_step(self, batch):
         loss, peaks, device_peaks = self.executor.step(batch)
         stats = self._stats(loss, device_peaks, peaks)
         if self.calibrator is not None and stats["step_peak_bytes"] is not None:

@@ -17,7 +17,7 @@ import weakref
 import keras
 import tensorflow as tf
 
-from .. import rules
+from .. import rules, telemetry
 from ..backend import keras_internals as internals
 from ..network.keras_network import _checked, from_keras
 from .engine import Engine
@@ -250,10 +250,10 @@ class _SectionTelemetry(keras.callbacks.Callback):
             if stats["step_peak_bytes"] is not None:
                 for k, peak in enumerate(self._peaks):
                     if peak is not None:
-                        tf.summary.scalar(f"memory_MiB/section_{k}", peak / _MiB, step=epoch)
-                tf.summary.scalar("memory_MiB/step_peak", self._step_peak / _MiB, step=epoch)
-            for k, runs in enumerate(stats["forward_runs"]):
-                tf.summary.scalar(f"forward_runs/section_{k}", runs, step=epoch)
+                        tf.summary.scalar(telemetry.SECTION_PEAK.format(k=k), peak / _MiB, step=epoch)
+                tf.summary.scalar(telemetry.STEP_PEAK, self._step_peak / _MiB, step=epoch)
+            for k, runs in enumerate(stats.forward_runs):
+                tf.summary.scalar(telemetry.FORWARD_RUNS.format(k=k), runs, step=epoch)
         writer.flush()
 
 
