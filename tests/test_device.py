@@ -105,6 +105,29 @@ def test_batch_max_finds_the_largest_batch_that_fits(fits_up_to, replicas):
     assert len(search.trials) <= 10, search.trials
 
 
+def test_batch_max_checks_its_best_trial_again_after_the_later_ones_and_searches_below_it_if_it_no_longer_fits():
+    """ResNet50 on a 1 GiB device: batch 32 fitted (888 MiB), five larger trials ran out of memory, and the run's
+    first step at 32 ran out too. The best trial's engine steps once more after the search; failing, the batch
+    counts as not fitting and the search continues below it, ending on a batch checked last."""
+    def try_batch(b):
+        return b <= 40, b * 10**6, "", f"engine {b}"
+
+    checked = []
+
+    def again(engine):
+        checked.append(engine)
+        fits = len(checked) > 1  # the first best fitted in its trial, not after the trials above it
+        return fits, None, "" if fits else "out of memory"
+
+    (batch, engine), search = largest_batch(try_batch, 1, budget=100 * 10**6, again=again)
+    first = int(checked[0].split()[1])
+    assert (first, False, None, "out of memory, checked again after the later trials") in search.trials
+    assert batch < first and engine == f"engine {batch}" and search.best()[0] == batch, search.trials
+    # the new best is checked again only where trials ran after it
+    assert checked[1:] == ([] if search.trials[-1][0] == batch else [engine]), (checked, search.trials)
+    assert len(search.trials) <= 10
+
+
 def test_batch_max_stops_at_the_data_size():
     (batch, engine), search = largest_batch(lambda b: (True, b, "", b), 1, cap=300)
     assert batch == 300 and engine == 300 and search.trials[-1][0] == 300

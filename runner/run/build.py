@@ -140,7 +140,11 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
         fits, peak, why = _one_step_fits(engine, probe, budget)
         return fits, peak, why, (engine, probe, batches) if fits else None
 
-    (batch, kept), search = largest_batch(try_batch, replicas, cap, budget)
+    def again(kept):  # a fixed partition's steps, in the memory the later trials left (sections=auto re-plans)
+        engine, probe, _ = kept
+        return (True, None, "") if engine.plan is not None else _one_step_fits(engine, probe, budget)
+
+    (batch, kept), search = largest_batch(try_batch, replicas, cap, budget, again)
     if batch is None:
         raise ConfigError("batch", "max", f"not even {replicas} example(s) fit the device's budget "
                           f"{rules.human_bytes(budget)} ({source}): {search.describe()}")
