@@ -18,8 +18,8 @@ from __future__ import annotations
 import functools
 
 import tensorflow as tf
-from tensorflow.python.eager import record
-from tensorflow.python.ops import array_ops
+
+from . import keras_internals as internals
 
 __all__ = ["custom_gradient"]
 
@@ -39,7 +39,7 @@ def custom_gradient(f):
 
 def _graph_call(f, args):
     args = [tf.convert_to_tensor(a) for a in args]
-    with record.VariableWatcher() as watcher:
+    with internals.variable_watcher() as watcher:
         result, grad_fn = f(*args)
     if watcher.watched_variables():
         names = sorted(v.name for v in watcher.watched_variables())
@@ -57,8 +57,8 @@ def _graph_call(f, args):
         return [None] * count + input_grads  # one per IdentityN input: the outputs' own inputs get none
 
     inputs = flat_result + args
-    outputs = array_ops.identity_n(inputs)
+    outputs = internals.identity_n(inputs)
     # Graph gradients (a function's backward) read this first; the op and so the closure die with the graph.
-    outputs[0].op._gradient_function = lambda op, *grads: tape_grad_fn(*grads)
-    record.record_operation(f.__name__, outputs, inputs, tape_grad_fn)  # tapes inside the function
+    internals.set_gradient_function(outputs[0].op, lambda op, *grads: tape_grad_fn(*grads))
+    internals.record_operation(f.__name__, outputs, inputs, tape_grad_fn)  # tapes inside the function
     return tf.nest.pack_sequence_as(result, outputs[:count])

@@ -98,6 +98,15 @@ def gemma_attention_class():
     return getattr(module, "CachedGemmaAttention", None)
 
 
+def attention_hooks() -> list[tuple[str, type, str]]:
+    """The attention methods lean attention routes (``(key, class, method name)``): Keras's
+    ``MultiHeadAttention._compute_attention``, and keras-hub's ``CachedGemmaAttention._compute_attention`` where
+    keras-hub is imported."""
+    hooks = [("attention", keras.layers.MultiHeadAttention, "_compute_attention")]
+    gemma = gemma_attention_class()
+    return hooks + ([("gemma_attention", gemma, "_compute_attention")] if gemma is not None else [])
+
+
 def gemma_settings(layer) -> dict | None:
     """What keras-hub's Gemma attention reads: whether it runs the fused op, its sliding-window mask, its dropout
     layer; None where this keras-hub lacks one."""
@@ -143,6 +152,39 @@ def unscale_loss_for_distribution(loss):
 def train_writer(board):
     """A ``keras.callbacks.TensorBoard``'s training summary writer (``_train_writer``)."""
     return board._train_writer
+
+
+# ------------------------------------------------------------------------------------------- TensorFlow
+def set_gradient_function(op, fn) -> None:
+    """The gradient function graph gradients use for ``op`` (``Operation._gradient_function``, the first place
+    ``ops.get_gradient_function`` looks)."""
+    op._gradient_function = fn
+
+
+def record_operation(name: str, outputs, inputs, backward) -> None:
+    """Record an operation on the active gradient tapes (``tensorflow.python.eager.record``)."""
+    from tensorflow.python.eager import record
+
+    record.record_operation(name, outputs, inputs, backward)
+
+
+def variable_watcher():
+    """A context recording the variables read inside it (``tensorflow.python.eager.record.VariableWatcher``)."""
+    from tensorflow.python.eager import record
+
+    return record.VariableWatcher()
+
+
+def identity_n(inputs) -> list:
+    """``IdentityN`` over ``inputs`` (``tensorflow.python.ops.array_ops``)."""
+    from tensorflow.python.ops import array_ops
+
+    return array_ops.identity_n(inputs)
+
+
+def type_spec_class(value) -> type:
+    """The class of a composite value's type spec (``_type_spec``; a per-replica value's takes component specs)."""
+    return type(value._type_spec)
 
 
 def flatten_layers(model) -> list:

@@ -442,10 +442,9 @@ def _install() -> None:
 
 def _install_attention() -> None:
     """``MultiHeadAttention._compute_attention`` (once), and keras-hub's Gemma attention once keras-hub is imported."""
-    _wrap_method("attention", keras.layers.MultiHeadAttention, "_compute_attention", attention.mha_compute_attention)
-    gemma = internals.gemma_attention_class()
-    if gemma is not None:
-        _wrap_method("gemma_attention", gemma, "_compute_attention", attention.gemma_compute_attention)
+    lean = {"attention": attention.mha_compute_attention, "gemma_attention": attention.gemma_compute_attention}
+    for key, cls, name in internals.attention_hooks():
+        _wrap_method(key, cls, name, lean[key])
 
 
 def _wrap_method(key: str, cls: type, name: str, lean) -> None:

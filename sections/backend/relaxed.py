@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from . import keras_internals as internals
+
 
 def _relax(value, batch: int):
     if isinstance(value, tf.distribute.DistributedValues):
         # A per-replica value: each replica's component relaxed alike (its spec class takes component specs).
-        return type(value._type_spec)(*(_relax(v, batch) for v in value.values))
+        return internals.type_spec_class(value)(*(_relax(v, batch) for v in value.values))
     if isinstance(value, tf.IndexedSlices):
         # Sparse gradients: how many rows they carry varies from batch to batch.
         values = tf.TensorShape(value.values.shape).as_list()
