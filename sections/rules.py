@@ -154,6 +154,9 @@ def check_sections_arg(sections, memory_budget=None) -> None:
                              f"names (strings).")
         if len(set(sections)) != len(sections):
             raise ValueError(f"Section boundaries {list(sections)} name the same place twice.")
+    if memory_budget is not None and sections != "auto":
+        raise RuleError(f"memory_budget={memory_budget!r}: only sections='auto' plans to a budget; got "
+                        f"sections={sections!r} (give sections='auto', or no memory_budget).", "budget_needs_auto")
 
 
 def default_boundaries(block_names: Sequence[str]) -> dict[str, int]:

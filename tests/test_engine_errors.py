@@ -41,3 +41,15 @@ def test_missing_batch_key_trains_nothing():
         e.train_step(batch)
     for b, v in zip(before, net.variables):
         assert (b == v.numpy()).all()
+
+
+@pytest.mark.parametrize("sections", [4, ["b2"]])
+def test_a_budget_without_sections_auto_is_refused_not_ignored(sections):
+    """Only the planner plans to a budget: a fixed partition with a budget was silently ignored by the engine and
+    SectionedModel (the rule lived in the runner alone); now it is one rule in ``sections.rules``."""
+    from sections import Engine
+    from sections.rules import RuleError
+    from engine_nets import conv_stack
+
+    with pytest.raises(RuleError, match=r"memory_budget='1GiB': only sections='auto' plans to a budget"):
+        Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections=sections, memory_budget="1GiB")

@@ -21,7 +21,7 @@ def check_config(cfg: DictConfig) -> None:
             raise ConfigError("batch", cfg.batch, "must be a positive integer, or max (the largest batch whose step "
                               "fits the device)")
         _positive(cfg, "batch")
-    check_sections(cfg.sections, cfg.engine.memory_budget)
+    check_sections(cfg.sections)
     _check_engine(cfg.engine)
     _check_train(cfg.train)
     for group in ("model", "data", "optimizer"):
@@ -31,13 +31,15 @@ def check_config(cfg: DictConfig) -> None:
                               f"must be a config with a _target_ (pick one with {group}=<option>)")
     default = cfg.model.get("default_sections")
     if default is not None:
-        check_sections(default, cfg.engine.memory_budget, key="model.default_sections")
+        check_sections(default, key="model.default_sections")
     _check_optimizer(cfg.optimizer)
     budget = cfg.engine.memory_budget
     chosen = cfg.sections if cfg.sections is not None else cfg.model.get("default_sections")
-    if budget is not None and chosen != "auto":
-        raise ConfigError("engine.memory_budget", budget, f"only sections=auto plans to a budget; this run has "
-                          f"sections={_shown(chosen)}: give sections=auto, or engine.memory_budget=null")
+    if isinstance(chosen, ListConfig):
+        chosen = list(chosen)
+    apply_rule("engine.memory_budget", budget, rules.check_sections_arg, 1 if chosen is None else chosen, budget,
+               wording={"budget_needs_auto": lambda: f"only sections=auto plans to a budget; this run has "
+                        f"sections={_shown(chosen)}: give sections=auto, or engine.memory_budget=null"})
     resume_data = cfg.get("resume_data", "same")
     if resume_data not in RESUME_DATA:
         raise ConfigError("resume_data", resume_data, "allowed: same (a resume refuses data that changed since the "
