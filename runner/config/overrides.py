@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from pathlib import Path
@@ -123,20 +124,20 @@ def _check_group_keys(overrides, conf_dir: str) -> None:
             node = node[part]
 
 
-_NODE_WORDS = {"FloatNode": "a number", "IntegerNode": "an integer", "BooleanNode": "true or false"}
+_TYPE_WORDS = {float: "a number", int: "an integer", bool: "true or false"}
 
 
 def _check_typed(parent, leaf: str, override) -> None:
-    """A value of the wrong type for a typed field of a group (e.g. `optimizer.learning_rate=abc`)."""
+    """A value of the wrong type for a typed field of a group (e.g. `optimizer.learning_rate=abc`): the value set on
+    a copy of the field, whose type OmegaConf checks."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    node = parent._get_node(leaf)
-    words = _NODE_WORDS.get(type(node).__name__)
+    words = _TYPE_WORDS.get(OmegaConf.get_type(parent, leaf))
     if words is None:
         return
     for value in _values(override):
-        probe = OmegaConf.create({leaf: node})
+        probe = copy.deepcopy(parent)
         try:
             probe[leaf] = value
         except OmegaConfBaseException:
