@@ -369,3 +369,67 @@ def test_a_sweep_on_token_arrays_minimizes_bits_and_maximizes_accuracy():
     for y_key, direction in ((None, "minimize"), ("y", "maximize")):
         root = OmegaConf.create({"data": {"_target_": "models.data.tokens", "y_key": y_key}})
         assert metric_direction(_root_=root) == direction
+
+
+# ---------------------------------------------------------------- every cut, every policy (issue 38, item 4)
+GEMMA = dict(name="GemmaBackbone", args={"num_layers": 2, "num_query_heads": 4, "num_key_value_heads": 2,
+                                         "hidden_dim": 32, "intermediate_dim": 64, "head_dim": 8, "dropout": 0.0},
+             vocab_size=VOCAB, seq_len=SEQ)
+BACKBONES = {"gpt2": (GPT2, token_batch), "bert": (BERT, lambda: token_batch(labels=BATCH)),
+             "gemma": (GEMMA, token_batch), "vit": (VIT, image_batch)}
+LAYER_NAMES = re.compile(r"transformer_(layer|block)_\d+|decoder_block_\d+")
+
+
+def _tape_gradient(net, batch) -> np.ndarray:
+    model = net.source_model
+    with tf.GradientTape() as tape:
+        loss = net.loss(model(batch[net.inputs], training=True), batch)
+    return _dense(tape.gradient(loss, model.trainable_variables))
+
+
+def _dense(grads) -> np.ndarray:
+    return np.concatenate([np.asarray(tf.convert_to_tensor(g).numpy(), "float64").ravel() for g in grads])
+
+
+def _rounding_sensitivity(net, batch, want) -> float:
+    """The relative change of the plain step's gradient when every weight moves by one unit of float32 rounding
+    (a random sign each), as the exactness report measures it."""
+    variables = net.source_model.trainable_variables
+    saved = [v.numpy() for v in variables]
+    rng = np.random.default_rng(0)
+    for v, value in zip(variables, saved):
+        v.assign(value * (1 + 2.0**-23 * rng.choice([-1.0, 1.0], size=value.shape)).astype(value.dtype))
+    moved = _tape_gradient(net, batch)
+    for v, value in zip(variables, saved):
+        v.assign(value)
+    return float(np.linalg.norm(moved - want) / np.linalg.norm(want))
+
+
+def _every_cut_every_policy():
+    cases = []
+    for kind, (kwargs, _) in BACKBONES.items():
+        keras.backend.clear_session()
+        cuts = [c for c in build_keras_hub(**kwargs).cut_points if LAYER_NAMES.fullmatch(c)]
+        cases += [pytest.param(kind, cut, policy, id=f"{kind}-{cut}-{policy}")
+                  for cut in cuts for policy in ("recompute", "store", "recreate")]
+    return cases
+
+
+@pytest.mark.slow  # 24 cases, about 1-2 s each
+@pytest.mark.parametrize("kind,cut,policy", _every_cut_every_policy())
+def test_every_cut_between_transformer_layers_and_every_policy_equals_a_plain_tape_step(kind, cut, policy):
+    """Each backbone cut after each of its transformer layers, each policy: the engine's gradient equals a plain
+    GradientTape step's on a twin model (its own layers, its weights copied) within 3x that step's own rounding
+    sensitivity (float32), over the whole gradient as one vector."""
+    kwargs, make = BACKBONES[kind]
+    batch = make()
+    ref, net = twins(kwargs)
+    want = _tape_gradient(ref, batch)
+    sensitivity = _rounding_sensitivity(ref, batch, want)
+    engine = Engine(net, keras.optimizers.SGD(0.1), sections=[cut], policy=policy)
+    _, grads = engine.gradients(batch)
+    assert [s.block_names[-1] for s in engine.sections[:-1]] == [cut]
+    by_variable = {id(v): g if g is not None else tf.zeros_like(v) for g, v in zip(grads, net.trainable_variables)}
+    got = _dense([by_variable[id(v)] for v in net.source_model.trainable_variables])
+    error = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert sensitivity > 0 and error <= 3 * sensitivity, (error, sensitivity)
