@@ -91,15 +91,16 @@ def _scope(strategy):
     return strategy.scope() if strategy is not None else contextlib.nullcontext()
 
 
-def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, raw: bool = False):
-    """The engine of `cfg.engine` with a fresh optimizer, built on the first training batch of `batch` examples;
-    returns it, that batch and the training iterator it came from (None under a multi-worker shard), so the
-    input pipeline's buffers are in memory while `sections=auto` measures. `raw`: the engine's own errors as
-    raised (else one ConfigError naming sections)."""
+def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, raw: bool = False,
+                optimizer=None):
+    """The engine of `cfg.engine` with a fresh optimizer (or `optimizer`), built on the first training batch of
+    `batch` examples; returns it, that batch and the training iterator it came from (None under a multi-worker
+    shard), so the input pipeline's buffers are in memory while `sections=auto` measures. `raw`: the engine's own
+    errors as raised (else one ConfigError naming sections)."""
     from runner.run.datafeed import next_batch, train_iterator, worker_shard
 
-    with _scope(strategy):
-        optimizer = wrap_optimizer(instantiate(cfg.optimizer, "optimizer"), cfg.train.precision)
+    if optimizer is None:
+        optimizer = new_optimizer(cfg, strategy)
     engine_args = OmegaConf.to_container(cfg.engine, resolve=True)
     batches = train_iterator(data, batch, cfg.train.seed, strategy) if worker_shard(strategy) is None else None
     probe = next_batch(batches if batches is not None else iter(data.train_batches(batch, cfg.train.seed)),
@@ -116,18 +117,31 @@ def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, 
     return engine, probe, batches
 
 
+def new_optimizer(cfg: DictConfig, strategy):
+    with _scope(strategy):
+        return wrap_optimizer(instantiate(cfg.optimizer, "optimizer"), cfg.train.precision)
+
+
 def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
-    """`batch=max`: the largest batch whose step fits (runner/run/batch_max.py); `cfg.batch` becomes it."""
+    """`batch=max`: the largest batch whose step fits (runner/run/batch_max.py); `cfg.batch` becomes it.
+
+    Every trial steps one optimizer (its state restored after each): an optimizer whose slots a compiled step
+    updated stays in memory after it is dropped (TensorFlow 2.21, Keras 3.15: 16 MiB of slots per new SGD
+    optimizer on a 2048x2048 Dense, every time; in eager steps they are freed), so a new optimizer per trial left
+    each trial's slots behind (ResNet50 on a 1 GiB device: about 100 MiB per trial, batch 16 no longer fitting
+    after five trials where 32 had)."""
     import sections as engine_lib
     from runner.run.batch_max import largest_batch
 
     replicas = strategy.num_replicas_in_sync if strategy is not None else 1
     budget, source = engine_lib.device_budget(cfg.engine.memory_budget)
     cap = getattr(data, "train_size", None)
+    optimizer = new_optimizer(cfg, strategy)
 
     def try_batch(batch: int):
         try:
-            engine, probe, batches = make_engine(cfg, data, network, sections, strategy, batch, raw=True)
+            engine, probe, batches = make_engine(cfg, data, network, sections, strategy, batch, raw=True,
+                                                 optimizer=optimizer)
         except ValueError as err:
             smallest = getattr(err, "smallest", None)
             if smallest is None:
@@ -150,7 +164,8 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
                           f"{rules.human_bytes(budget)} ({source}): {search.describe()}")
     cfg.batch = batch
     log.info(f"batch=max: {batch} (trials: {search.describe()}; budget {rules.human_bytes(budget)}, {source})")
-    engine, probe, batches = kept if kept is not None else make_engine(cfg, data, network, sections, strategy, batch)
+    engine, probe, batches = kept if kept is not None else make_engine(cfg, data, network, sections, strategy, batch,
+                                                                       optimizer=optimizer)
     return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batches=batches,
                  batch_search=search)
 
