@@ -128,6 +128,35 @@ def test_batch_max_checks_its_best_trial_again_after_the_later_ones_and_searches
     assert len(search.trials) <= 10
 
 
+def test_batch_max_trials_share_one_optimizer(monkeypatch):
+    """An optimizer whose slots a compiled step updated stays in memory after it is dropped (TensorFlow 2.21 with
+    Keras 3.15), so a new optimizer per trial left each trial's slots behind (about 100 MiB a trial on ResNet50):
+    every trial, and the engine that trains, steps the same optimizer."""
+    from hydra import compose, initialize_config_dir
+
+    from runner.config.schema import register
+    from runner.run import build
+
+    register()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["data=synthetic", "batch=32"])
+    seen = []
+
+    class Fake:
+        plan = None
+
+    def make_engine(cfg, data, network, sections, strategy, batch, raw=False, optimizer=None):
+        seen.append(optimizer)
+        return Fake(), batch, None
+
+    monkeypatch.setattr(build, "make_engine", make_engine)
+    monkeypatch.setattr(build, "_one_step_fits", lambda engine, probe, budget: (probe <= 100, probe * 10**6, ""))
+    data = type("Data", (), {"train_size": 10**6})()
+    setup = build._largest(cfg, data, None, 4, None)
+    assert len(seen) >= 3 and seen[0] is not None and all(o is seen[0] for o in seen), seen
+    assert 90 <= cfg.batch <= 100 and setup.batch_search.best()[0] == cfg.batch
+
+
 def test_batch_max_stops_at_the_data_size():
     (batch, engine), search = largest_batch(lambda b: (True, b, "", b), 1, cap=300)
     assert batch == 300 and engine == 300 and search.trials[-1][0] == 300
