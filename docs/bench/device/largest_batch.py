@@ -2,7 +2,7 @@
 
 Each job is one `python -m runner ... batch=max` process on an emulated device (TF_CPU_BFC_MEM_LIMIT_IN_MB: the
 CPU allocator with a hard limit, as a GPU has): `engine=whole`, `engine=recompute_grad` (the model's default
-sections) and `sections=auto`, each with no budget (the device's memory less headroom). Reads each run's
+sections, 4) and `sections=auto`, each with no budget (the device's memory less headroom). Reads each run's
 metrics.json: the batch batch=max chose, its trials, examples per second over the run's steps, the step peak.
 Writes `results.json`, a markdown table and a plot of device memory against the largest batch.
 
@@ -24,7 +24,9 @@ MODELS = {
     "ResNet50": ["model=keras_app", "model.name=ResNet50", "model.input_shape=[96,96,3]", "data=synthetic",
                  "data.image_shape=[96,96,3]", "data.train_size=2048", "optimizer=sgd"],
 }
-ENGINES = {"whole": ["engine=whole"], "recompute_grad": ["engine=recompute_grad"], "auto": ["sections=auto"]}
+# tf.recompute_grad around each of 4 sections (keras.applications models default to one section: no checkpoint)
+ENGINES = {"whole": ["engine=whole"], "recompute_grad": ["engine=recompute_grad", "sections=4"],
+           "auto": ["sections=auto"]}
 COMMON = ["batch=max", "train.verify_exact=false", "train.eval_every=0", "train.save_model=false",
           "train.checkpoint_every=0", "train.progress=log"]
 
