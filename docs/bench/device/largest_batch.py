@@ -1,8 +1,8 @@
 """The largest batch each strategy trains on a device of fixed memory, and its speed there (issue 36's targets).
 
 Each job is one `python -m runner ... batch=max` process on an emulated device (TF_CPU_BFC_MEM_LIMIT_IN_MB: the
-CPU allocator with a hard limit, as a GPU has): `engine=whole`, `engine=recompute_grad` (the model's default
-sections, 4) and `sections=auto`, each with no budget (the device's memory less headroom). Reads each run's
+CPU allocator with a hard limit, as a GPU has): `engine=whole`, `engine=recompute_grad` (4
+sections) and `sections=auto`, each with no budget (the device's memory less headroom). Reads each run's
 metrics.json: the batch batch=max chose, its trials, examples per second over the run's steps, the step peak.
 Writes `results.json`, a markdown table and a plot of device memory against the largest batch.
 
