@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 import keras
 import tensorflow as tf
 
-from sections import Network
+from sections import Network, run_through_graph
 
 from ._util import check_image_shape, serializable
 from .keras_app import NAMES_HINT
@@ -303,7 +303,7 @@ def _flat_call(backbone, inputs):
         return (lambda *a, **k: unroll(op, *a, **k)) if unroll else op
 
     # Not ``backbone.call``: its input standardizing would add a ``convert_to_tensor`` node per input.
-    return backbone._run_through_graph(inputs, operation_fn=operation_fn)
+    return run_through_graph(backbone, inputs, operation_fn)
 
 
 def _vit_encoder(encoder, x):

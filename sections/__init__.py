@@ -21,6 +21,7 @@ _EXPORTS = {
     "Recreate": ".schedule.policies",
     "Plan": ".schedule.planner", "plan_schedule": ".schedule.planner", "Schedule": ".schedule.program",
     "compare_with_whole": ".verify.verify", "to_keras": ".network.export",
+    "run_through_graph": ".backend.keras_internals",
     "POLICIES": ".rules", "STRATEGIES": ".rules", "parse_bytes": ".rules",
 }
 

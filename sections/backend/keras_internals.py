@@ -132,6 +132,12 @@ def functional_graph(model):
     return getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
 
 
+def run_through_graph(model, inputs, operation_fn):
+    """A Functional model's graph called on ``inputs``, each layer through ``operation_fn(layer)`` (new nodes of the
+    model's own layers; ``Functional._run_through_graph``, without ``call``'s input standardizing)."""
+    return model._run_through_graph(inputs, operation_fn=operation_fn)
+
+
 def nodes_by_depth(fn) -> dict:
     """A Functional model's nodes by depth (``_nodes_by_depth``)."""
     return fn._nodes_by_depth
