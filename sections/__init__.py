@@ -12,7 +12,7 @@ _EXPORTS = {
     "OutOfMemory": ".backend.device", "DeviceMemory": ".backend.device", "device_memory": ".backend.device",
     "device_budget": ".backend.device",
     "SectionedModel": ".step.fit",
-    "lean_attention": ".backend.attention", "lean_attention_active": ".backend.attention",
+    "lean_attention": ".backend.attention", "lean_attention_active": ".backend.lean",
     "WholeGraph": ".step.peers", "RecomputeGrad": ".step.peers",
     # Network from its Keras module: importing that sets Network.from_keras (it builds on sections.network.network).
     "Network": ".network.keras_network", "Block": ".network.network", "from_keras": ".network.keras_network",

@@ -31,7 +31,7 @@ import tensorflow as tf
 from . import keras_internals as internals
 from .graph_gradient import custom_gradient
 
-__all__ = ["attention", "lean_attention", "lean_attention_active", "QUERY_BLOCK", "attention_traces"]
+__all__ = ["attention", "lean_attention", "QUERY_BLOCK", "attention_traces"]
 
 QUERY_BLOCK = 256  # query rows per block: a block's scores are batch x heads x QUERY_BLOCK x keys
 _PHILOX = 1  # tf.random.Algorithm.PHILOX
@@ -289,13 +289,6 @@ def gemma_compute_attention(layer, original, q, k, v, attention_mask, training=F
 def _static(*tensors) -> bool:
     return all(isinstance(t, tf.Tensor) and t.shape.rank == 4 and t.shape[1] is not None and t.shape[-1] is not None
                for t in tensors)
-
-
-def lean_attention_active() -> bool:
-    """Whether attention should run lean here: inside the engine's ``lean_scope`` (``lean=True`` or
-    ``"recompute"``: its training functions, and the eager forward that reads the blocks' output shapes)."""
-    from .lean import lean_active
-    return lean_active()
 
 
 def lean_attention(q, k, v, *, scale: float, causal: bool = False, mask=None, dropout: float = 0.0,

@@ -90,6 +90,12 @@ def lean_active() -> bool:
     return bool(getattr(_state, "on", False))
 
 
+def lean_attention_active() -> bool:
+    """Whether attention should run lean here: inside the engine's ``lean_scope`` (``lean=True`` or
+    ``"recompute"``: its training functions, and the eager forward that reads the blocks' output shapes)."""
+    return lean_active()
+
+
 def _remaking_inputs() -> bool:
     return getattr(_state, "on", False) == "recompute"
 
