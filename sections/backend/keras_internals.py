@@ -98,6 +98,13 @@ def gemma_attention_class():
     return getattr(module, "CachedGemmaAttention", None)
 
 
+def replace_method(cls: type, name: str, method) -> None:
+    """``cls.name`` becomes ``method`` for every instance in the process: how lean gradients and lean attention
+    route Keras layers' ``call`` and ``_compute_attention`` (Keras has no hook around a layer's call; the wrapper
+    runs the original outside ``lean_scope`` and where the lean version declines)."""
+    setattr(cls, name, method)
+
+
 def attention_hooks() -> list[tuple[str, type, str]]:
     """The attention methods lean attention routes (``(key, class, method name)``): Keras's
     ``MultiHeadAttention._compute_attention``, and keras-hub's ``CachedGemmaAttention._compute_attention`` where

@@ -443,7 +443,7 @@ def _install() -> None:
             return __original(self, *args, **kwargs)
 
         _installed[cls] = original
-        cls.call = call
+        internals.replace_method(cls, "call", call)
 
 
 def _install_attention() -> None:
@@ -469,4 +469,4 @@ def _wrap_method(key: str, cls: type, name: str, lean) -> None:
         return __original(self, *args, **kwargs)
 
     _installed[key] = original
-    setattr(cls, name, method)
+    internals.replace_method(cls, name, method)
