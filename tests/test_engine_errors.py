@@ -53,3 +53,16 @@ def test_a_budget_without_sections_auto_is_refused_not_ignored(sections):
 
     with pytest.raises(RuleError, match=r"memory_budget='1GiB': only sections='auto' plans to a budget"):
         Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections=sections, memory_budget="1GiB")
+
+
+def test_recompute_grad_over_one_section_says_it_checkpoints_nothing(caplog):
+    from sections import RecomputeGrad
+    from engine_nets import conv_stack
+
+    with caplog.at_level("WARNING", logger="sections"):
+        RecomputeGrad(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections=1).build(make_batch(n=8))
+    assert "recompute_grad with one section checkpoints nothing" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sections"):
+        RecomputeGrad(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections=2).build(make_batch(n=8))
+    assert "checkpoints nothing" not in caplog.text

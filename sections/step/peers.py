@@ -3,12 +3,16 @@ one whole-graph step, and ``tf.recompute_grad`` around each section."""
 
 from __future__ import annotations
 
+import logging
+
 import tensorflow as tf
 
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import local_size
 from .base import Trainer
 from .compile import compile_partition
+
+log = logging.getLogger("sections")
 
 
 class WholeGraph(Trainer):
@@ -76,6 +80,12 @@ class RecomputeGrad(WholeGraph):
     inside one compiled step. Re-runs update batch-norm statistics again: not exact, as users get it."""
 
     strategy = "recompute_grad"
+
+    def _settle(self, batch):
+        super()._settle(batch)
+        if len(self.sections) == 1:  # said, not silently the whole step under another name
+            log.warning("recompute_grad with one section checkpoints nothing (every section but the last is "
+                        "wrapped): give sections=2 or more")
 
     def _section_output(self, sec, h, batch):
         if sec.index == len(self.sections) - 1:
