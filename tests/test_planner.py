@@ -200,8 +200,12 @@ def test_a_plan_predicted_too_high_makes_room_for_a_faster_one(monkeypatch):
     batch = make_batch(n=8, size=32, classes=10)
     one_section = _one_section_peak(8, 32)
     costs = PlanCosts.of.__func__
-    monkeypatch.setattr(PlanCosts, "of", classmethod(
-        lambda cls, *args: replace(costs(cls, *args), base_bytes=costs(cls, *args).base_bytes + one_section)))
+
+    def heavier(cls, *args):
+        real = costs(cls, *args)
+        return replace(real, base_bytes=real.base_bytes + one_section)
+
+    monkeypatch.setattr(PlanCosts, "of", classmethod(heavier))
     # The first plan (no dry step yet) re-runs the first half, made by hand: which plan the over-estimated model
     # picks moves with the machine (with oneDNN off it predicted a stored first section far below its dry step,
     # re-running nothing).

@@ -115,8 +115,8 @@ class Executor:
                 self.replicas.wrap(self.graph_cycle), self.jit_compile, (0,))
         # A re-plan moves the sections' borders: which variables each completes changes.
         outside = self._outside_last()
-        fns["penalty_groups"] = {"all": outside, **{k: [v for v in outside if self._position[id(v)] in set(done)]
-                                                     for k, done in enumerate(compiled.complete)}}
+        fns["penalty_groups"] = {"all": outside, **{k: [v for v in outside if self._position[id(v)] in done]
+                                                     for k, done in enumerate(map(set, compiled.complete))}}
         fns["penalty"] = {}
         self._fns = fns
 
