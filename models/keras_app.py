@@ -150,8 +150,20 @@ def _probability_loss(label_key: str):
 
 
 def _ends_in_softmax(model) -> bool:
-    last = model.outputs[0]._keras_history[0] if getattr(model, "outputs", None) else None
+    last = _output_layer(model)
     return isinstance(last, keras.layers.Softmax) or getattr(last, "activation", None) is keras.activations.softmax
+
+
+def _output_layer(model):
+    """The layer whose output is the model's one output (Keras's public ``Layer.output``), else None."""
+    outputs, layers = getattr(model, "outputs", None) or [], getattr(model, "layers", None) or []
+    for layer in reversed(layers):  # a Functional model lists its layers in the order they run
+        try:
+            if len(outputs) == 1 and layer.output is outputs[0]:
+                return layer
+        except (AttributeError, ValueError):  # a layer called more than once has no single output
+            continue
+    return None
 
 
 def _fits(data_shape, expected) -> bool:

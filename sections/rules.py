@@ -138,9 +138,9 @@ def as_sections(sections):
     return list(sections) if isinstance(sections, tuple) else sections
 
 
-def check_sections_arg(sections, memory_budget=None) -> None:
+def check_sections_arg(sections, memory_budget=None, planner: bool = True) -> None:
     """The shape of a ``sections`` argument, before the network is known (``memory_budget`` is parsed by
-    ``parse_bytes``, once, by the caller)."""
+    ``parse_bytes``, once, by the caller); ``planner``: whether the trainer plans (``"auto"``: the engine only)."""
     allowed = "must be an int >= 1, a list of boundary names, or 'auto'"
     if isinstance(sections, bool) or not isinstance(sections, (int, list, tuple, str)):
         raise ValueError(f"sections={sections!r}: {allowed}.")
@@ -148,6 +148,9 @@ def check_sections_arg(sections, memory_budget=None) -> None:
         raise ValueError(f"sections={sections}: must be at least 1.")
     if isinstance(sections, str) and sections != "auto":
         raise ValueError(f"sections={sections!r}: {allowed}.")
+    if sections == "auto" and not planner:
+        raise RuleError("sections='auto' plans the sectioned engine (sections.Engine); the baselines take an int or "
+                        "a list of boundary names.", "auto_needs_engine")
     if isinstance(sections, (list, tuple)):
         if not sections or not all(isinstance(n, str) and n for n in sections):
             raise ValueError(f"sections={list(sections)!r}: a list of sections must hold one or more boundary "

@@ -282,13 +282,13 @@ def test_help_lists_the_cut_names(tmp_path, monkeypatch):
 
 def test_the_runner_names_a_wrong_cut_and_a_wrong_vocabulary_in_one_line():
     from runner.errors import ConfigError
-    from runner.run.build import check_boundaries, instantiate, make_network
+    from runner.run.build import instantiate, make_engine, make_network
 
     cfg = composed(*HUB)
     data = instantiate(cfg.data, "data")
     network = make_network(cfg, data)
-    with pytest.raises(ConfigError) as err:
-        check_boundaries(["transformer_layer_7"], network)
+    with pytest.raises(ConfigError) as err:  # the engine's own check, worded for the config
+        make_engine(cfg, data, network, ["transformer_layer_7"], None, 2)
     assert "'transformer_layer_7'" in str(err.value) and "transformer_layer_0" in str(err.value)
     cfg = composed(*HUB, "+model.args.vocabulary_size=10")
     with pytest.raises(ConfigError) as err:

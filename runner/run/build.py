@@ -64,8 +64,7 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
         network = make_network(cfg, data)
         if not searching:
             _check_batch_fits(cfg, spec, network)  # with the blocks' outputs, before the first batch is made
-        sections = resolve_sections(cfg)
-        check_boundaries(sections, network)
+        sections = resolve_sections(cfg)  # checked against the network by the engine (`sections_answer`)
     if searching:
         setup = _largest(cfg, data, network, sections, strategy)
         setup.data_changes = data_changes
@@ -109,6 +108,10 @@ def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, 
         engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections,
                              _convert_="all",  # a plain list of boundary names, not a ListConfig
                              **({"distribute": strategy} if strategy is not None else {}))
+    except ValueError as err:
+        raise sections_answer(err, sections, network) or ConfigError(
+            "sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
+    try:
         engine.build(probe)
     except ValueError as err:
         if raw:
@@ -218,34 +221,23 @@ def resolve_sections(cfg: DictConfig):
     return OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
 
 
-def check_boundaries(sections, network) -> None:
-    """Sections that cannot exist for this network (too many, or boundaries it does not have), by the engine's
-    own rules, worded for the config. Other answers (order, repeats) come from the engine when it is built."""
+def sections_answer(err: ValueError, sections, network) -> ConfigError | None:
+    """The engine's answer (``sections.rules``, checked once, when the engine is made) on `sections` that cannot
+    exist for this network (too many, or boundaries it does not have), worded for the config; None for others."""
+    rule, facts = getattr(err, "rule", None), getattr(err, "facts", {})
     block_names = network.block_names
     groups = list(dict.fromkeys(name.split("/", 1)[0] for name in block_names))
-
-    def unknown_boundary(unknown):
+    if rule == "unknown_boundary":
         example = next((n for n in block_names if "/" in n), block_names[0])
-        return (f"unknown boundary name(s) {', '.join(unknown)}; allowed: {', '.join(groups)}, or a block name "
-                f"such as {example}")
-
-    def too_many(num_blocks):
+        return ConfigError("sections", sections, f"unknown boundary name(s) {', '.join(facts['unknown'])}; allowed: "
+                           f"{', '.join(groups)}, or a block name such as {example}")
+    if rule == "more_sections_than_blocks":
         names = rules.name_list(groups, getattr(network, "names_hint", "see the model"))
-        return f"this model has {num_blocks} blocks; allowed: 1 to {num_blocks}, or boundary names{names}"
-
-    if isinstance(sections, int):
-        apply_rule("sections", sections, rules.check_section_count, sections, len(block_names), block_names,
-                   wording={"more_sections_than_blocks": too_many})
-    if isinstance(sections, list):
-        try:
-            network.boundary_starts(sections)
-        except rules.RuleError as err:
-            if err.rule == "unknown_boundary":
-                raise ConfigError("sections", sections, unknown_boundary(**err.facts)) from err
-            if err.rule == "not_a_cut":  # a Keras model's own reason: no such layer, or merged into a block
-                raise ConfigError("sections", sections, str(err)) from err
-        except ValueError:
-            pass
+        return ConfigError("sections", sections, f"this model has {facts['num_blocks']} blocks; allowed: 1 to "
+                           f"{facts['num_blocks']}, or boundary names{names}")
+    if rule == "not_a_cut":  # a Keras model's own reason: no such layer, or merged into a block
+        return ConfigError("sections", sections, str(err))
+    return None
 
 
 def instantiate(node: DictConfig, group: str, **kwargs):

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -86,14 +87,21 @@ def _card_memory(index: int) -> int | None:
     return total
 
 
-def resolve_budget(value, memory: DeviceMemory, held: int = 0) -> tuple[int, str]:
+class Budget(NamedTuple):
+    """A memory budget: its bytes, and a line saying how they were reached."""
+
+    bytes: int
+    source: str
+
+
+def resolve_budget(value, memory: DeviceMemory, held: int = 0) -> Budget:
     """A budget in bytes and a line saying how it was reached. ``value``: bytes or a size (as given), a fraction
     of the device (``rules.parse_budget``), or None: the device's memory less ``HEADROOM`` and, on a CPU without
     an allocator limit, ``held`` (what the process holds outside TensorFlow's allocator, which no step reading
     counts)."""
     parsed = None if value is None else rules.parse_budget(value)
     if isinstance(parsed, int):
-        return parsed, "given"
+        return Budget(parsed, "given")
     if memory.total is None:
         raise rules.RuleError(
             f"memory_budget={'None' if value is None else value!r}: the memory of {memory.device} is unknown "
@@ -103,11 +111,11 @@ def resolve_budget(value, memory: DeviceMemory, held: int = 0) -> tuple[int, str
         budget = int(total * (1 - HEADROOM))
         held_note = f" less {rules.human_bytes(held)} the process holds outside TensorFlow" if (
             held and not memory.hard) else ""
-        return budget, f"the device's memory, {memory.describe()}{held_note}, less {HEADROOM:.0%} headroom"
-    return int(total * parsed), f"{parsed:g} of the device's memory, {memory.describe()}"
+        return Budget(budget, f"the device's memory, {memory.describe()}{held_note}, less {HEADROOM:.0%} headroom")
+    return Budget(int(total * parsed), f"{parsed:g} of the device's memory, {memory.describe()}")
 
 
-def device_budget(value=None, device: str | None = None) -> tuple[int, str]:
+def device_budget(value=None, device: str | None = None) -> Budget:
     """``resolve_budget`` for ``device`` (default: ``GPU:0`` where there is one, else ``CPU:0``)."""
     device = device or ("GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0")
     return resolve_budget(value, device_memory(device))

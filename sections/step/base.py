@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import tensorflow as tf
 
 from .. import rules
-from ..backend.device import OutOfMemory, device_memory, held_outside, resolve_budget
+from ..backend.device import Budget, OutOfMemory, device_memory, held_outside, resolve_budget
 from ..backend.lean import lean_scope
 from ..backend.memory import MemoryMeter, below_resolution
 from ..backend.precision import unscale
@@ -16,6 +17,7 @@ from ..backend.replicas import Replicas, local_size, scale_for_replicas
 from ..backend.structure import nbytes
 from ..network.network import Network
 from ..schedule.partition import Section, balanced_starts, format_table
+from ..schedule.program import Schedule
 from ..telemetry import StepReading
 from .compile import Borders, Compiled
 
@@ -38,12 +40,8 @@ class Trainer:
                  probe_batch: int | None = None, device: str | None = None, distribute=None):
         if not isinstance(network, Network):
             raise ValueError(f"network must be a sections.Network; got {type(network).__name__}.")
-        sections = rules.as_sections(sections)
-        rules.check_sections_arg(sections, memory_budget)
-        if memory_budget is not None:
-            rules.parse_budget(memory_budget)  # its shape, before anything is measured
-        if isinstance(sections, int):
-            rules.check_section_count(sections, len(network.blocks), network.block_names)
+        #: What ``build`` partitions by (``sections`` checked here, once).
+        self.request = Request.of(network, sections, memory_budget, planner=self.strategy == "sectioned")
         self.network = network
         self.optimizer = optimizer
         self.jit_compile = bool(jit_compile)
@@ -53,16 +51,23 @@ class Trainer:
         self.meter = MemoryMeter(device or self.replicas.devices() or None)
         #: The device's memory: what a budget of None or a fraction reads, and what an out-of-memory stop names.
         self.device_memory = device_memory(self.meter.device)
-        #: The budget in bytes, and how it was reached (given; the device's memory less headroom; a fraction of it).
-        self.memory_budget, self.budget_source = None, None
-        if sections == "auto" or memory_budget is not None:
-            self.memory_budget, self.budget_source = resolve_budget(memory_budget, self.device_memory,
-                                                                    held_outside(self.meter))
-        self._sections_arg = sections
-        self._starts = network.boundary_starts(sections) if isinstance(sections, list) else None
+        #: The budget (``sections="auto"``): bytes, and how they were reached; else None.
+        self.budget: Budget | None = None
+        if self.request.sections == "auto":
+            self.budget = resolve_budget(memory_budget, self.device_memory, held_outside(self.meter))
         self._built = False
         #: Whether a step's reading was 0 bytes: nothing it allocated was counted (``memory_note`` says why).
         self.below_resolution = False
+
+    @property
+    def memory_budget(self) -> int | None:
+        """The budget in bytes (``sections="auto"``), else None."""
+        return self.budget.bytes if self.budget is not None else None
+
+    @property
+    def budget_source(self) -> str | None:
+        """How the budget was reached: given; the device's memory less headroom; a fraction of it."""
+        return self.budget.source if self.budget is not None else None
 
     # ------------------------------------------------------------------ build
     def build(self, batch: Mapping[str, tf.Tensor]) -> None:
@@ -95,14 +100,17 @@ class Trainer:
         """The sections of the partition in force (empty before ``build``)."""
         return list(self.compiled.sections) if self.compiled is not None else []
 
-    def _balanced_starts(self, count: int) -> list[int]:
-        """``count`` sections balanced by activation bytes counted from tensor shapes (the same cut on every
-        run and machine, unlike measured memory)."""
-        if count == 1:
+    def _starts(self) -> list[int]:
+        """Where sections 1.. start: the boundaries named, else ``sections`` contiguous sections balanced by
+        activation bytes counted from tensor shapes (the same cut on every run and machine, unlike measured
+        memory)."""
+        if self.request.starts is not None:
+            return self.request.starts
+        if self.request.sections == 1:
             return []
         b = self.borders
-        self.shape_costs = shape_costs(self.network, b.probe_slice, b.real_batch, b.input_specs, b.output_specs)
-        return balanced_starts(self.shape_costs, count)
+        costs = shape_costs(self.network, b.probe_slice, b.real_batch, b.input_specs, b.output_specs)
+        return balanced_starts(costs, self.request.sections)
 
     # ------------------------------------------------------------------ steps
     def train_step(self, batch: Mapping[str, tf.Tensor]) -> StepReading:
@@ -221,6 +229,32 @@ class Trainer:
     def _require_built(self) -> None:
         if not self._built:
             raise RuntimeError("Not built yet: call build(batch) or train_step(batch) first.")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What ``build`` partitions by: ``sections`` as checked (a count, boundary names or ``"auto"``), the block
+    indices where sections start for boundary names (else None), and the policies of a fixed partition or a
+    ``Schedule`` given (the engine's; both None: the planner's, or the baselines' own)."""
+
+    sections: int | list | str
+    starts: list | None = None
+    policies: list | None = None
+    schedule: Schedule | None = None
+
+    @classmethod
+    def of(cls, network: Network, sections, memory_budget=None, planner: bool = True) -> "Request":
+        """``sections`` checked, once, against every rule (``sections.rules``) and the network's blocks:
+        its shape, ``memory_budget`` only with ``"auto"`` (``planner``: only the engine plans), a count no larger
+        than the blocks, boundary names the network has, in order."""
+        sections = rules.as_sections(sections)
+        rules.check_sections_arg(sections, memory_budget, planner=planner)
+        if memory_budget is not None:
+            rules.parse_budget(memory_budget)  # its shape, before anything is measured
+        if isinstance(sections, int):
+            rules.check_section_count(sections, len(network.blocks), network.block_names)
+        starts = network.boundary_starts(sections) if isinstance(sections, list) else None
+        return cls(sections, starts)
 
 
 def _as_tensors(network, batch) -> dict:

@@ -6,6 +6,7 @@ step of the compiled program, its memory readings, the update)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import tensorflow as tf
@@ -91,34 +92,35 @@ class Engine(Trainer):
             sections, policy = fixed.num_sections, list(fixed.policies)
         super().__init__(network, optimizer, sections, policy, jit_compile, memory_budget, probe_batch, device,
                          distribute)
-        sections = self._sections_arg  # checked (rules.check_sections_arg), NumPy integers made ints
-        self.one_graph = bool(one_graph)
         self.lean = rules.check_lean(lean)
-        self.apply = rules.check_apply(apply)
+        apply = rules.check_apply(apply)
+        one_graph = bool(one_graph)
         #: Why the update runs once after the whole backward (``None``: it runs section by section in it).
-        self.apply_reason = why_at_end(optimizer, self.replicas.distributed, self.one_graph)
-        if self.apply == "at_end":
+        self.apply_reason = why_at_end(optimizer, self.replicas.distributed, one_graph)
+        if apply == "at_end":
             self.apply_reason = "apply='at_end'"
-        elif self.apply == "in_backward" and self.apply_reason is not None and optimizer is not None:
+        elif apply == "in_backward" and self.apply_reason is not None and optimizer is not None:
             raise ValueError(f"apply='in_backward' would not equal one update: {self.apply_reason}; use "
                              f"apply='at_end' or 'auto'.")
-        if self.one_graph and (check or sections == "auto" or fixed is not None):
+        sections = self.request.sections
+        if one_graph and (check or sections == "auto" or fixed is not None):
             raise ValueError("one_graph=True compiles a fixed recompute partition into one step: it takes no "
                              "check mode, sections='auto' or Schedule.")
-        # What build partitions by: a Schedule given, the policies of a fixed partition, or None (the planner).
-        self._request = fixed
-        if sections != "auto" and fixed is None:
+        if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
+            self.request = replace(self.request, schedule=fixed)
+        elif sections != "auto":
             count = sections if isinstance(sections, int) else len(sections) + 1
-            self._request = [resolve(p) for p in rules.policies_for(policy, count)]
-            if self.one_graph and any(type(p) is not Recompute for p in self._request):
+            policies = [resolve(p) for p in rules.policies_for(policy, count)]
+            if one_graph and any(type(p) is not Recompute for p in policies):
                 raise ValueError(f"one_graph=True runs every section with policy 'recompute'; got "
-                                 f"{[p.name for p in self._request]}.")
+                                 f"{[p.name for p in policies]}.")
+            self.request = replace(self.request, policies=policies)
         #: Planning (``sections="auto"``; made at build), else None.
         self.calibrator: Calibrator | None = None
         #: Running: the compiled program's steps.
         self.executor = Executor(network, optimizer, self.replicas, self.meter, self._scale_loss, check=bool(check),
                                  jit_compile=self.jit_compile, in_backward=self.apply_reason is None,
-                                 one_graph=self.one_graph, penalty=penalty, extra_state=extra_state)
+                                 one_graph=one_graph, penalty=penalty, extra_state=extra_state)
 
     # ------------------------------------------------------------------ what planning made (auto), read-only views
     @property
@@ -128,6 +130,15 @@ class Engine(Trainer):
     @plan.setter
     def plan(self, plan) -> None:
         self.calibrator.plan = plan
+
+    @property
+    def memory_budget(self) -> int | None:
+        """The budget in bytes (``sections="auto"``; lowered where a step ran out of memory), else None."""
+        return self.calibrator.budget if self.calibrator is not None else super().memory_budget
+
+    @property
+    def one_graph(self) -> bool:
+        return self.executor.one_graph
 
     @property
     def schedule(self) -> Schedule | None:
@@ -154,13 +165,13 @@ class Engine(Trainer):
 
     # ------------------------------------------------------------------ partition
     def _settle(self, batch):
-        if isinstance(self._request, Schedule):
-            schedule = self._request
-        elif self._request is None:
+        request = self.request
+        if request.schedule is not None:
+            schedule = request.schedule
+        elif request.policies is None:
             schedule = self._planned(batch)
         else:
-            starts = self._starts if self._starts is not None else self._balanced_starts(self._sections_arg)
-            schedule = Schedule(tuple(starts), tuple(self._request))
+            schedule = Schedule(tuple(self._starts()), tuple(request.policies))
         self.compiled = self.compile(schedule)
 
     def _planned(self, batch) -> Schedule:
@@ -245,7 +256,6 @@ class Engine(Trainer):
                 if attempt == MAX_REPLANS:
                     raise
                 self.calibrator.replan_below(err, batch)
-                self.memory_budget = self.calibrator.budget
         raise AssertionError("unreachable")
 
     def _run_step(self, batch):

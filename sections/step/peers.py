@@ -26,14 +26,11 @@ class WholeGraph(Trainer):
                  lean: bool = False, apply: str = "at_end"):
         # policy, check, memory_budget, lean and apply belong to the sectioned engine; accepted so configs can switch
         # classes (a baseline runs every layer's own Keras gradient).
-        if sections == "auto":
-            raise ValueError(f"sections='auto' plans the sectioned engine; {type(self).__name__} takes an int "
-                             f"or a list of boundary names.")
         super().__init__(network, optimizer, sections, jit_compile=jit_compile, probe_batch=probe_batch,
                          device=device, distribute=distribute)
 
     def _settle(self, batch):
-        starts = self._starts if self._starts is not None else self._balanced_starts(self._sections_arg)
+        starts = self._starts()
         self.compiled = compile_partition(self.network, self.borders, self.replicas, starts,
                                           [self.strategy] * (len(starts) + 1))
 
