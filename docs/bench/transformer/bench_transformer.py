@@ -148,6 +148,11 @@ def run_variant(args) -> dict:
         if sectioned:
             result["sections"] = len(fit_model.engine.sections)
             result["section_ends"] = [s.block_names[-1] for s in fit_model.engine.sections]
+        if kind == "auto":  # what the planner predicted for the steps, and the margins it kept
+            engine = fit_model.engine
+            result.update(predicted=engine.plan.predicted_peak, replans=engine.replans,
+                          probe_spread=engine.calibrator.section_probe.largest_spread(),
+                          dry_spread=engine.calibrator.dry_spread, budget_used=engine.memory_budget)
     except Exception as e:  # a mode that fails inside fit, or a step past the device, is an outcome
         import traceback
 
