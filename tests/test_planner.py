@@ -340,7 +340,11 @@ def test_with_ops_in_one_order_a_dry_step_may_fill_the_budget(monkeypatch):
     assert cal.spread() == largest > 0
     assert not cal.fits(budget) and not cal.fits(budget - largest)
     assert cal.fits(int(0.95 * budget) - 1)
-    assert cal.advised(budget) == advised_one >= budget + 2 * largest
+    assert cal.advised(budget) == advised_one >= budget + largest
+    # The advice keeps the order spread once above the dry step (the fit rule's), not twice.
+    engine.plan = replace(engine.plan, margin=0.0)
+    assert cal.advised(budget) == -(-(budget + largest) // 2**20) * 2**20
+    engine.plan = replace(engine.plan, margin=0.1)
     # A step within the budget, over its prediction by less than an order flip, keeps the plan (no recompile);
     # with one op order the plan may sit next to the budget, so "within" is the budget itself.
     monkeypatch.setattr(_engine, "one_op_order", lambda: True)
@@ -566,6 +570,29 @@ def test_a_plan_with_cuts_stays_within_its_budget_in_measured_steps():
     peaks = [engine.train_step(batch)["step_peak_bytes"] for _ in range(2)]
     assert max(peaks) <= budget, (peaks, engine.describe())
     assert max(peaks) <= plan.predicted_peak + spread, (peaks, spread, plan.summary())
+
+
+def test_a_plans_margin_is_what_its_own_measurements_varied_by(monkeypatch):
+    """A section the planner probed but the plan does not run (a large candidate) moved between runs by far more
+    than the plan's own sections and dry step: that spread does not hold the plan back, in the fit rule or the
+    advice (issue 38: one 120 MiB spread turned a 440 MiB budget's advice into "about 865 MiB")."""
+    from sections.step import calibrate as _engine
+
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
+    engine.build(make_batch(n=32, size=8, classes=10))
+    cal, plan = engine.calibrator, engine.plan
+    monkeypatch.setattr(_engine, "one_op_order", lambda: True)
+    starts = (0, *plan.schedule.starts, len(engine.network.blocks))
+    spans = set(zip(starts, starts[1:]))
+    own = cal.plan_spread(plan, 0)
+    assert own == max(cal.section_probe.spread.get(span, 0) for span in spans)
+    elsewhere = (1, 3)
+    assert elsewhere not in spans, spans
+    monkeypatch.setitem(cal.section_probe.spread, elsewhere, 2**30)
+    assert cal.plan_spread(plan, 0) == own and cal.spread() >= 2**30  # the largest probed: for unmeasured plans
+    peak = engine.memory_budget - own - 2**20
+    assert cal.fits(peak, own) and not cal.fits(peak)
+    assert cal.advised(peak, own) < peak + 2**30
 
 
 @pytest.mark.parametrize("factor", [1.0, pytest.param(1.5, marks=pytest.mark.slow)])

@@ -225,8 +225,7 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
     its ``cost``). ``activation_scale`` corrects measured activation bytes (the engine's re-plan). The margin
     covers the model's error. ``measured``, ``grad_bytes``, ``calibration``: as for ``_Chain``. ``apply_bytes``:
     what the optimizer's update needs beside the base and all gradients. ``spread``: bytes by which repeated
-    measured peaks differed: a plan's prediction plus this fits the margin, and the advised budget adds it
-    once more (another run measures again). ``extra_bytes``: memory a measured step held beyond this model
+    measured peaks differed: a plan's prediction plus this fits the margin (the advised budget's too). ``extra_bytes``: memory a measured step held beyond this model
     (the engine's dry steps), added to the base. Raises ``NoPlanFits`` (a
     ValueError) naming the smallest reachable peak and the smallest budget that fits.
     """
@@ -264,13 +263,13 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
         # The least memory any schedule needs (exact bytes), then the least budget whose slotted plan fits it.
         need = _least_memory(chain, units, activation_scale)
         smallest = max(int(need + base_bytes), apply_peak)
-        # Another run measures again: its floor moves by up to the spread seen here.
-        advised = math.ceil((smallest + 2 * spread) / (1 - margin) / 2**20) * 2**20
+        # The plans' own rule, the spread once (another run's floor moving by it is what the spread stands for).
+        advised = math.ceil((smallest + spread) / (1 - margin) / 2**20) * 2**20
         while (solved := fits(advised)) is None:
             advised += max(2**20, int(advised / resolution))
         sol, cost = solved
-        spread_note = (f" and twice the {human_bytes(spread)} by which the probe's repeated runs differed "
-                       f"(another run measures again)") if spread else ""
+        spread_note = (f" and the {human_bytes(spread)} by which the probe's repeated runs differed"
+                       if spread else "")
         raise NoPlanFits(
             f"memory_budget={human_bytes(budget)} ({budget} bytes): no partition fits; the smallest predicted "
             f"peak reachable is {human_bytes(smallest)} ({smallest} bytes), and plans keep a {margin:.0%} "

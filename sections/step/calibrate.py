@@ -82,6 +82,7 @@ class DryRun:
     extra: int
     compiled: Compiled
     seconds: float
+    spread: int = 0  # what this plan's measurements varied by (``Calibrator.plan_spread``)
 
 
 def profile(network, batch, probe: int, real: int, meter, lean, budget_note: str) -> tuple[dict, list]:
@@ -158,12 +159,12 @@ class Calibrator:
         ``measured_nothing`` turns True."""
         runs: list[DryRun] = []
         for _ in range(DRY_STEPS):
-            measured, seconds = self._measure(batch)
+            measured, seconds, spread = self._measure(batch)
             if not measured:  # nothing counted: the plans fit on shapes alone
                 self.measured_nothing = True
             self.fixed_extra = measured - (self.plan.predicted_peak - self.plan.extra_bytes)
-            runs.append(DryRun(self.plan, measured, self.fixed_extra, self.trials.compiled, seconds))
-            fitting = [run for run in runs if self.fits(run.peak)]
+            runs.append(DryRun(self.plan, measured, self.fixed_extra, self.trials.compiled, seconds, spread))
+            fitting = [run for run in runs if self.fits(run.peak, run.spread)]
             try:
                 plan, refusal = self.make_plan(self.activation_scale), None
             except NoPlanFits as err:
@@ -183,44 +184,55 @@ class Calibrator:
             self.plan = replace(chosen.plan, predicted_peak=max(chosen.peak, chosen.plan.apply_peak),
                                 budget=self.budget, extra_bytes=self.fixed_extra)
             if len(runs) > 1:
-                tried = ", ".join(f"{rules.human_bytes(r.peak)} in {r.seconds:.2f} s ({_sections(r.plan)})"
-                                  for r in runs)
+                tried = ", ".join(f"{rules.human_bytes(r.peak)} (spread {rules.human_bytes(r.spread)}) in "
+                                  f"{r.seconds:.2f} s ({_sections(r.plan)})" for r in runs)
                 self.log_replan(f"dry steps measured {tried}; the fastest plan that fits the budget "
                                 f"{rules.human_bytes(self.budget)} runs ({_sections(self.plan)})")
             return
         if not runs:  # no dry steps: the model's plan (or refusal) stands
             return
         smallest = min(runs, key=lambda run: run.peak)
-        self.refusal = self._refusal(smallest.plan, smallest.peak)
+        self.refusal = self._refusal(smallest)
 
-    def _refusal(self, plan: Plan, measured: int) -> NoPlanFits:
-        advised = self.advised(measured)
-        rule = (f"a plan runs when its dry step plus the {rules.human_bytes(self.spread())} by which its runs "
-                f"differed is within the budget (ops run in one order: steps repeat their dry step's peak)"
+    def _refusal(self, run: DryRun) -> NoPlanFits:
+        plan, measured = run.plan, run.peak
+        advised = self.advised(measured, run.spread)
+        spread = rules.human_bytes(self.spread(run.spread))
+        rule = (f"a plan runs when its dry step plus the {spread} by which its measurements differed is within "
+                f"the budget (ops run in one order: steps repeat their dry step's peak); another process may "
+                f"settle on another order, so the advice keeps "
+                f"{rules.human_bytes(self.order_spread(run.spread))} above the dry step"
                 if one_op_order() else
-                f"a plan runs when its dry step plus the {rules.human_bytes(self.spread())} by which identical runs "
-                f"may differ is within the budget and the dry step within {1 - plan.margin / 2:.0%} of it")
+                f"a plan runs when its dry step plus the {spread} by which identical runs may differ is within "
+                f"the budget and the dry step within {1 - plan.margin / 2:.0%} of it")
         return NoPlanFits(
             f"memory_budget={rules.human_bytes(self.budget)} ({self.budget} bytes"
             f"{'' if self.budget_source == 'given' else '; ' + self.budget_source}): no partition "
             f"fits; the smallest plan's dry step (run at build, its state restored) measured "
-            f"{rules.human_bytes(measured)} ({measured} bytes); {rule}, and another run's dry step may read "
-            f"{rules.human_bytes(self.order_spread())} higher: the smallest budget that fits is about "
+            f"{rules.human_bytes(measured)} ({measured} bytes); {rule}: the smallest budget that fits is about "
             f"{rules.human_bytes(advised)}.",
             measured, plan, advised)
 
-    def _measure(self, batch) -> tuple[int, float]:
-        """The current plan's dry step: its peak and seconds. Where the device has no memory for it, it reads as at
-        least what was in use plus the failing request, and over the budget (a fragmented heap fails below its
-        limit)."""
+    def _measure(self, batch) -> tuple[int, float, int]:
+        """The current plan's dry step: its peak, seconds and spread (``plan_spread``). Where the device has no
+        memory for it, it reads as at least what was in use plus the failing request, and over the budget (a
+        fragmented heap fails below its limit)."""
         dry = self.trials.dry_step(batch)
         if dry.ran_out:
             failed = max(dry.peak, self.budget + 1)
             log.info(f"a dry step of {_sections(self.plan)} ran out of device memory (at least "
                      f"{rules.human_bytes(failed)}): it does not fit")
-            return failed, math.inf
+            return failed, math.inf, 0
         self.dry_spread = max(self.dry_spread, dry.spread)
-        return dry.peak, dry.seconds
+        return dry.peak, dry.seconds, self.plan_spread(self.plan, dry.spread)
+
+    def plan_spread(self, plan: Plan, dry_spread: int) -> int:
+        """What a plan's own measurements varied by: its dry step's two runs, and the probe's repeated runs of
+        the sections it runs (relative to what this plan measures, not the largest spread of every section the
+        planner probed: a large candidate section's op order must not hold back a plan that never runs it)."""
+        starts = (0, *plan.schedule.starts, len(self.profiles))
+        spans = list(zip(starts, starts[1:]))
+        return max([dry_spread, *(self.section_probe.spread.get(span, 0) for span in spans)])
 
     def choose(self, batch, runs: list[DryRun]) -> DryRun | None:
         """Of the dry-step runs that fit, the fastest (``fastest``), or None. One that is not the program run last
@@ -229,7 +241,7 @@ class Calibrator:
         step on ResNet50 at batch 256). The larger figure stands (in ``runs`` too); a plan that no longer fits
         gives way to the next fastest."""
         while True:
-            fitting = [run for run in runs if self.fits(run.peak)]
+            fitting = [run for run in runs if self.fits(run.peak, run.spread)]
             if not fitting:
                 return None
             run = fastest(fitting)
@@ -237,11 +249,12 @@ class Calibrator:
                 return run
             self.trials.restore(run.compiled)
             self.plan = run.plan
-            again, _ = self._measure(batch)
-            if again > run.peak:
+            again, _, spread = self._measure(batch)
+            if again > run.peak or spread > run.spread:
                 at = next(i for i, r in enumerate(runs) if r is run)
-                runs[at] = run = replace(run, peak=again, extra=run.extra + again - run.peak)
-            if self.fits(run.peak):
+                runs[at] = run = replace(run, peak=max(again, run.peak), extra=run.extra + max(0, again - run.peak),
+                                         spread=max(spread, run.spread))
+            if self.fits(run.peak, run.spread):
                 return run
 
     def try_bolder(self, batch, runs: list[DryRun]) -> None:
@@ -250,7 +263,7 @@ class Calibrator:
         a dry step measures the plan itself: where the model over-predicts (a large fused section keeps less than
         its probes add up to) the margin alone would run plans that re-run far more than the budget needs. A dry
         step the device has no memory for counts as not fitting."""
-        fitting = [run for run in runs if self.fits(run.peak)]
+        fitting = [run for run in runs if self.fits(run.peak, run.spread)]
         if not runs or any(not _reruns(run.plan) for run in fitting):
             return
         try:
@@ -262,43 +275,45 @@ class Calibrator:
             return
         self.plan = bold
         self.trials.adopt(bold.schedule)
-        measured, seconds = self._measure(batch)
+        measured, seconds, spread = self._measure(batch)
         runs.append(DryRun(bold, measured, measured - (bold.predicted_peak - bold.extra_bytes),
-                           self.trials.compiled, seconds))
+                           self.trials.compiled, seconds, spread))
 
     # ------------------------------------------------------------------ the fit rule
-    def run_spread(self) -> int:
-        """The most the probe's sections or a dry step's two runs moved."""
+    def run_spread(self, spread: int | None = None) -> int:
+        """What a plan's measurements varied by (``plan_spread``: a dry-run plan's own); None: the most any
+        section probe or dry step so far moved (a plan not dry-run, a step in training)."""
+        if spread is not None:
+            return spread
         return max(self.section_probe.largest_spread(), self.dry_spread)
 
-    def order_spread(self) -> int:
+    def order_spread(self, spread: int | None = None) -> int:
         """How far a step's peak may move between identical runs: ``run_spread``, and at least the largest block
         output (the executor's op order may keep one more activation alive; a few runs need not show it)."""
         largest = max((p.output_bytes for p in self.profiles or ()), default=0)
-        return max(self.run_spread(), largest)
+        return max(self.run_spread(spread), largest)
 
-    def spread(self) -> int:
+    def spread(self, spread: int | None = None) -> int:
         """What a step may hold beyond its plan's dry step: with ops on one inter-op thread (``one_op_order``) a
         compiled function runs them in one order every call, so ``run_spread``; else ``order_spread``."""
-        return self.run_spread() if one_op_order() else self.order_spread()
+        return self.run_spread(spread) if one_op_order() else self.order_spread(spread)
 
     def ceiling(self, plan: Plan) -> float:
         """How close to its budget a step may come: the budget itself with one op order (steps repeat their dry
         step); else ``1 - margin / 2`` of it (the order may flip)."""
         return plan.budget if one_op_order() else (1 - plan.margin / 2) * plan.budget
 
-    def fits(self, measured: int) -> bool:
-        """Whether a plan whose dry step measured ``measured`` bytes runs under the budget: the dry step plus the
-        spread within the budget, the dry step within ``ceiling``."""
-        return (measured + self.spread() <= self.budget
+    def fits(self, measured: int, spread: int | None = None) -> bool:
+        """Whether a plan whose dry step measured ``measured`` bytes (its measurements varying by ``spread``) runs
+        under the budget: the dry step plus the spread within the budget, the dry step within ``ceiling``."""
+        return (measured + self.spread(spread) <= self.budget
                 and measured <= self.ceiling(replace(self.plan, budget=self.budget)))
 
-    def advised(self, measured: int) -> int:
-        """The smallest budget (whole MiB) that a plan whose dry step measured ``measured`` fits in another run:
-        another process may settle on another op order (even with one thread), so its dry step may read up to the
-        order spread higher."""
-        again = measured + self.order_spread()
-        need = max(again + self.order_spread(), again / (1 - self.plan.margin / 2))
+    def advised(self, measured: int, spread: int | None = None) -> int:
+        """The smallest budget (whole MiB) that a plan whose dry step measured ``measured`` fits, in this run and
+        in another: the fit rule's, with the order spread once (another process may settle on another op order,
+        even with one thread), not once more on top of a dry step assumed that much higher."""
+        need = max(measured + self.order_spread(spread), measured / (1 - self.plan.margin / 2))
         return math.ceil(need / 2**20) * 2**20
 
     # ------------------------------------------------------------------ corrections in training
