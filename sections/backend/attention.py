@@ -87,24 +87,29 @@ def _lean(spec):
         seed = extra[-1] if spec.rate > 0 else None
         _traces["forward"] += 1
         blocks = _blocks(q.shape[1], spec.rows)
+        qt, kt, vt = _heads_first(q, k, v)  # once: each block's products then need no transposes
         outs, after = [], []
         for t0, t1 in blocks:
             with tf.control_dependencies(after):  # one block at a time: each waits for the one before
-                _, _, pd = _weights(spec, q, k, v, mask, seed, t0, t1)
-                out = tf.einsum("bnts,bsnh->btnh", pd, v)
+                _, _, pd = _weights(spec, tf.shape(q), qt, kt, v.dtype, mask, seed, t0, t1)
+                out = tf.matmul(pd, vt)
             outs.append(out)
             after = [out]
-        y = outs[0] if len(outs) == 1 else tf.concat(outs, axis=1)
+        y = _tokens_first(outs[0] if len(outs) == 1 else tf.concat(outs, axis=2))
 
         def grad(dy):
             _traces["backward"] += 1
             dq_blocks, dk, dv, after = [], None, None, [dy]  # nothing runs before dy: else during the forward
+            with tf.control_dependencies(after):
+                qt, kt, vt = _heads_first(q, k, v)  # again from q, k, v: the forward's copies are not kept
+                dyt = tf.transpose(dy, [0, 2, 1, 3])
+            after = [dyt]
             for t0, t1 in blocks:
                 with tf.control_dependencies(after):
-                    qs, p, pd = _weights(spec, q, k, v, mask, seed, t0, t1, keep=True)
-                    do = dy[:, t0:t1]
-                    dv_b = tf.einsum("bnts,btnh->bsnh", pd, do)
-                    dpd = tf.einsum("btnh,bsnh->bnts", do, v)
+                    qs, p, pd = _weights(spec, tf.shape(q), qt, kt, v.dtype, mask, seed, t0, t1, keep=True)
+                    do = dyt[:, :, t0:t1]
+                    dv_b = tf.matmul(pd, do, transpose_a=True)
+                    dpd = tf.matmul(do, vt, transpose_b=True)
                     dp = dpd if spec.rate <= 0 else dpd * p.keep
                     if p.where is not None and spec.style.startswith("explicit"):
                         dp = tf.where(p.where, dp, tf.zeros_like(dp))
@@ -114,21 +119,31 @@ def _lean(spec):
                         ds = tf.where(p.where, ds, tf.zeros_like(ds))
                     if spec.style.startswith("explicit"):
                         ds = tf.cast(ds, q.dtype)
-                        dq_b = tf.einsum("bnts,bsnh->btnh", ds, k) * tf.constant(spec.scale, q.dtype)
+                        dq_b = tf.matmul(ds, kt) * tf.constant(spec.scale, q.dtype)
                     else:  # the scale is applied to the scores, after the cast
                         ds = tf.cast(ds * tf.constant(spec.scale, ds.dtype), q.dtype)
-                        dq_b = tf.einsum("bnts,bsnh->btnh", ds, k)
-                    dk_b = tf.einsum("bnts,btnh->bsnh", ds, qs)
+                        dq_b = tf.matmul(ds, kt)
+                    dk_b = tf.matmul(ds, qs, transpose_a=True)
                     dk = dk_b if dk is None else dk + dk_b
                     dv = dv_b if dv is None else dv + dv_b
                 dq_blocks.append(dq_b)
                 after = [dq_b, dk, dv]
-            dq = dq_blocks[0] if len(dq_blocks) == 1 else tf.concat(dq_blocks, axis=1)
-            return [dq, dk, dv] + [None] * len(extra)
+            dq = dq_blocks[0] if len(dq_blocks) == 1 else tf.concat(dq_blocks, axis=2)
+            return [_tokens_first(dq), _tokens_first(dk), _tokens_first(dv)] + [None] * len(extra)
 
         return y, grad
 
     return lean_attention
+
+
+def _heads_first(*tensors):
+    """``[B, T, N, H]`` tensors as ``[B, N, T, H]``."""
+    return [tf.transpose(t, [0, 2, 1, 3]) for t in tensors]
+
+
+def _tokens_first(t):
+    """``[B, N, T, H]`` as ``[B, T, N, H]``."""
+    return tf.transpose(t, [0, 2, 1, 3])
 
 
 def _blocks(rows: int, size: int) -> list[tuple[int, int]]:
@@ -143,30 +158,30 @@ class _Weights:
         self.soft, self.where, self.keep = soft, where, keep
 
 
-def _weights(spec, q, k, v, mask, seed, t0, t1, keep=False):
-    """Rows ``t0:t1``: the query block as the scores read it, the softmax (a ``_Weights`` when ``keep``) and the
-    dropped-out weights in ``v``'s dtype, rounded as ``spec.style`` says."""
+def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, keep=False):
+    """Rows ``t0:t1`` (``qt``, ``kt``: ``[B, N, T|S, H]``): the query block as the scores read it, the softmax (a
+    ``_Weights`` when ``keep``) and the dropped-out weights in ``v_dtype``, rounded as ``spec.style`` says."""
     if spec.style.startswith("explicit"):
-        qs = q[:, t0:t1] * tf.constant(spec.scale, q.dtype)
-        s = tf.einsum("btnh,bsnh->bnts", qs, k)
+        qs = qt[:, :, t0:t1] * tf.constant(spec.scale, qt.dtype)
+        s = tf.matmul(qs, kt, transpose_b=True)
         if spec.style == "explicit_float32":  # keras.layers.Softmax(dtype="float32"): float64 too
             s = tf.cast(s, tf.float32)
     else:
-        qs = q[:, t0:t1]
-        s = tf.einsum("btnh,bsnh->bnts", qs, k)
+        qs = qt[:, :, t0:t1]
+        s = tf.matmul(qs, kt, transpose_b=True)
         s = tf.cast(s, tf.float64 if s.dtype == tf.float64 else tf.float32)
         s = s * tf.constant(spec.scale, s.dtype)
-    where = _attended(spec, mask, t0, t1, tf.shape(k)[1])
+    where = _attended(spec, mask, t0, t1, tf.shape(kt)[2])
     if where is not None:
         s = tf.where(where, s, _fill(spec.style, s.dtype))
     soft = tf.nn.softmax(s, axis=-1)
     del s
     if where is not None and spec.style.startswith("explicit"):
         soft = tf.where(where, soft, tf.zeros_like(soft))
-    p = tf.cast(soft, v.dtype)
+    p = tf.cast(soft, v_dtype)
     scaled_keep = None
     if spec.rate > 0:
-        scaled_keep = _keep(spec.rate, seed, tf.shape(q), tf.shape(k)[1], t0, t1, p.dtype)
+        scaled_keep = _keep(spec.rate, seed, q_shape, tf.shape(kt)[2], t0, t1, p.dtype)
         pd = p * scaled_keep
     else:
         pd = p
