@@ -257,6 +257,7 @@ def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypat
 
     monkeypatch.setattr(calibrate.Calibrator, "make_plan", next_plan)
     monkeypatch.setattr(calibrate.Calibrator, "try_bolder", lambda self, batch, runs: None)
+    monkeypatch.setattr(calibrate.Calibrator, "try_plain", lambda self, batch, chosen, runs: False)  # its own test
     dry_runs = []
     measure_dry = Engine.dry_step
 
@@ -649,4 +650,80 @@ def test_after_build_the_probe_keeps_no_border_tensors(monkeypatch):
     auto = Engine(conv_stack(depth=4, filters=16), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
     auto.build(make_batch(n=8, size=8, classes=10))
     # Dry steps measure what training will hold: the borders are dropped before each, and once more at the end.
-    assert "dry" in calls and calls == ["dry", "release"] * calls.count("dry") + ["release"], calls
+    # (The plain-sections probe releases its own borders too.)
+    assert "dry" in calls and calls[-1] == "release", calls
+    assert all(calls[i + 1] == "release" for i, call in enumerate(calls) if call == "dry"), calls
+
+
+def _wide_then_attention():
+    """A wide dense block (the peak of any plan cutting after it) and then two self-attention layers, whose
+    Keras gradients keep the scores and softmax that lean attention does not."""
+    import tensorflow as tf
+
+    from sections import from_keras
+
+    keras.utils.set_random_seed(0)
+    x = keras.Input((64, 32), name="x")
+    h = keras.layers.Dense(2048, activation="relu", name="wide")(x)
+    h = keras.layers.Dense(32, name="narrow")(h)
+    for i in range(2):
+        h = keras.layers.Add(name=f"res{i}")([h, keras.layers.MultiHeadAttention(4, 8, name=f"attn{i}")(h, h)])
+    out = keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D(name="pool")(h))
+
+    def loss(logits, batch):
+        return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["label"], logits, from_logits=True))
+
+    model = keras.Model(x, out)
+    return from_keras(model, loss, inputs="x"), model
+
+
+@pytest.mark.parametrize("plain_faster", [True, False], ids=["plain-faster", "plain-slower"])
+def test_sections_that_fit_without_lean_gradients_run_plain_where_their_dry_step_is_faster(monkeypatch,
+                                                                                            plain_faster):
+    """Of the chosen plan (scripted: the wide block, then the attention layers), the attention section keeps more
+    without lean gradients but no more than the wide section keeps with them: a dry step of the plan with it
+    plain runs; where that dry step was faster (timed, here scripted) the plain section runs, its steps within
+    the budget; where slower, the lean plan stays (restored and dry-run again)."""
+    from sections.schedule.policies import Recompute
+    from sections.schedule.program import Schedule
+    from sections.step import calibrate
+
+    network, model = _wide_then_attention()
+    cut = network.boundary_starts(["narrow"])
+    scripted = Schedule(tuple(cut), (Recompute(), Recompute()))
+    real_plan = calibrate.Calibrator.make_plan
+    monkeypatch.setattr(calibrate.Calibrator, "make_plan", lambda self, scale=1.0, margin=None: replace(
+        real_plan(self, scale, margin), schedule=scripted, forward_runs=tuple(count_forward_runs(scripted))))
+    measure_dry = Engine.dry_step
+    tried = []
+
+    def timed(self, b):
+        dry = measure_dry(self, b)
+        tried.append(self.schedule.plain)
+        return replace(dry, seconds=(1.0 if plain_faster else 3.0) if self.schedule.plain else 2.0)
+
+    monkeypatch.setattr(Engine, "dry_step", timed)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 64, 32)).astype("float32"), "label": rng.integers(0, 3, 16)}
+    engine = Engine(network, keras.optimizers.SGD(0.1), sections="auto", memory_budget="2GiB")
+    engine.build(batch)
+    assert frozenset({1}) in tried, tried  # the attention section was tried plain
+    if plain_faster:
+        assert engine.schedule.plain == frozenset({1}), engine.describe()
+        assert "plain" in engine.partition_rows()[1]["policy"] and "1 plain" in engine.replans[-1]
+    else:
+        assert engine.schedule.plain == frozenset() and tried[-1] == frozenset(), (tried, engine.describe())
+    # Either way the gradient is a plain tape step's on the Keras model (the same variables), within rounding.
+    import tensorflow as tf
+
+    loss, grads = engine.gradients(batch)
+    with tf.GradientTape() as tape:
+        logits = model(batch["x"], training=True)
+        want = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["label"], logits, from_logits=True))
+    reference = dict(zip([id(v) for v in model.trainable_variables], tape.gradient(want, model.trainable_variables)))
+    ours = np.concatenate([np.ravel(g) for g in grads])
+    theirs = np.concatenate([np.ravel(reference[id(v)]) for v in network.trainable_variables])
+    assert abs(float(loss) - float(want)) < 1e-6
+    assert np.linalg.norm(ours - theirs) <= 1e-5 * np.linalg.norm(theirs), np.linalg.norm(ours - theirs)
+    peaks = [engine.train_step(batch)["step_peak_bytes"] for _ in range(2)]
+    assert max(peaks) <= engine.memory_budget, peaks

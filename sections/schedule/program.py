@@ -43,11 +43,14 @@ class Step:
 class Schedule:
     """Frozen result of planning. ``actions``: ``{(p, t): (mode, q)}`` from the planner; missing entries follow
     the policies (the top descent keeps the input of every section whose policy keeps its input; re-creating
-    descents keep every border they pass, the two-level scheme)."""
+    descents keep every border they pass, the two-level scheme). ``plain``: sections that run every layer's own
+    Keras gradient whatever the engine's ``lean`` (the planner's choice where lean gradients cost time the
+    budget does not need)."""
 
     starts: tuple[int, ...]
     policies: tuple[Policy, ...]
     actions: Mapping[tuple[int, int], tuple[str, int]] = field(default_factory=dict)
+    plain: frozenset = frozenset()
 
     @property
     def num_sections(self) -> int:

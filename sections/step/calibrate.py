@@ -16,7 +16,7 @@ from ..backend.lean import lean_scope
 from ..backend.memory import one_op_order
 from ..backend.profile import SectionProbe, gradient_bytes, probe_slice, profile_blocks
 from ..backend.structure import nbytes
-from ..schedule.planner import NoPlanFits, Plan, plan_measured
+from ..schedule.planner import DOES_NOT_FIT, NoPlanFits, Plan, plan_measured
 from ..schedule.program import Schedule
 from .compile import Borders, Compiled
 from .executor import DRY_NOISE, DryStep
@@ -176,6 +176,8 @@ class Calibrator:
             self.trials.adopt(plan.schedule)
         self.try_bolder(batch, runs)
         chosen = self.choose(batch, runs)
+        if chosen is not None and self.try_plain(batch, chosen, runs):
+            chosen = self.choose(batch, runs)
         if chosen is not None:
             self.fixed_extra, self.refusal = chosen.extra, None
             # Its step is what its dry step measured (the model's figure for it may be far above: the plan for the
@@ -230,8 +232,7 @@ class Calibrator:
         """What a plan's own measurements varied by: its dry step's two runs, and the probe's repeated runs of
         the sections it runs (relative to what this plan measures, not the largest spread of every section the
         planner probed: a large candidate section's op order must not hold back a plan that never runs it)."""
-        starts = (0, *plan.schedule.starts, len(self.profiles))
-        spans = list(zip(starts, starts[1:]))
+        spans = _spans(plan.schedule, len(self.profiles))
         return max([dry_spread, *(self.section_probe.spread.get(span, 0) for span in spans)])
 
     def choose(self, batch, runs: list[DryRun]) -> DryRun | None:
@@ -278,6 +279,35 @@ class Calibrator:
         measured, seconds, spread = self._measure(batch)
         runs.append(DryRun(bold, measured, measured - (bold.predicted_peak - bold.extra_bytes),
                            self.trials.compiled, seconds, spread))
+
+    def try_plain(self, batch, chosen: DryRun, runs: list[DryRun]) -> bool:
+        """One more dry step, of the chosen plan with some sections plain (every layer's own Keras gradient: no
+        lean attention re-making its scores, faster): those where lean gradients keep less, and whose probe
+        without them measures no more than the plan's largest section with them (so the plan's peak should not
+        move). Added to ``runs`` (whether it fits and is faster, ``choose`` decides); False where no section
+        qualifies."""
+        if not self.lean:
+            return False
+        spans = _spans(chosen.plan.schedule, len(self.profiles))
+        with lean_scope(self.lean):
+            lean_costs = [self.section_probe(*span) for span in spans]
+        plain_probe = SectionProbe(self.section_probe.network, self.section_probe.small, self.section_probe.real,
+                                   self.section_probe.meter)
+        with lean_scope(False):
+            plain_costs = [plain_probe(*span) for span in spans]
+        plain_probe.release()
+        ceiling = max((c for c in lean_costs if c != DOES_NOT_FIT), default=0)
+        plain = frozenset(i for i, (on, off) in enumerate(zip(lean_costs, plain_costs))
+                          if DOES_NOT_FIT not in (on, off) and on < off <= ceiling)
+        if not plain:
+            return False
+        plan = replace(chosen.plan, schedule=replace(chosen.plan.schedule, plain=plain))
+        self.plan = plan
+        self.trials.adopt(plan.schedule)
+        measured, seconds, spread = self._measure(batch)
+        runs.append(DryRun(plan, measured, measured - (plan.predicted_peak - plan.extra_bytes), self.trials.compiled,
+                           seconds, spread))
+        return True
 
     # ------------------------------------------------------------------ the fit rule
     def run_spread(self, spread: int | None = None) -> int:
@@ -394,5 +424,11 @@ def _reruns(plan: Plan) -> bool:
 
 
 def _sections(plan: Plan) -> str:
-    n = plan.schedule.num_sections
-    return f"{n} section" + ("s" if n != 1 else "")
+    n, plain = plan.schedule.num_sections, len(plan.schedule.plain)
+    return f"{n} section" + ("s" if n != 1 else "") + (f", {plain} plain" if plain else "")
+
+
+def _spans(schedule: Schedule, blocks: int) -> list[tuple[int, int]]:
+    """Each section's ``(start, stop)`` block span."""
+    starts = (0, *schedule.starts, blocks)
+    return list(zip(starts, starts[1:]))

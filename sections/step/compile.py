@@ -230,11 +230,11 @@ def compile_partition(network, borders: Borders, replicas: Replicas, starts, pol
 
 def compile_schedule(network, borders: Borders, replicas: Replicas, schedule: Schedule, *, jit_compile: bool,
                      scale_loss, lean) -> Compiled:
-    """A schedule's sections and each one's ``SectionFunctions``."""
+    """A schedule's sections and each one's ``SectionFunctions`` (``lean``, but plain in ``schedule.plain``)."""
     return compile_partition(
         network, borders, replicas, list(schedule.starts), [p.name for p in schedule.policies], schedule,
         lambda s, c: SectionFunctions(network, s, c, jit_compile, scale_loss=scale_loss, replicas=replicas,
-                                      lean=lean))
+                                      lean=False if s.index in schedule.plain else lean))
 
 
 def complete_after(network, sections) -> tuple[tuple[int, ...], ...]:

@@ -234,7 +234,8 @@ class Engine(Trainer):
         return self.executor.dry_step(batch, self.read_counters)
 
     def _policy_label(self, section) -> str:
-        return "fused (last)" if section.index == len(self.sections) - 1 else section.policy
+        label = "fused (last)" if section.index == len(self.sections) - 1 else section.policy
+        return label + (", plain" if section.index in self.schedule.plain else "")
 
     # ------------------------------------------------------------------ the step
     def _step(self, batch):
