@@ -41,12 +41,11 @@ class Trainer:
         if not isinstance(network, Network):
             raise ValueError(f"network must be a sections.Network; got {type(network).__name__}.")
         #: What ``build`` partitions by (``sections`` checked here, once).
-        self.request = Request.of(network, sections, memory_budget, planner=self.strategy == "sectioned")
+        self.request = Request.of(network, sections, memory_budget, planner=self.strategy == "sectioned",
+                                  probe_batch=probe_batch)
         self.network = network
         self.optimizer = optimizer
         self.jit_compile = bool(jit_compile)
-        rules.check_probe_batch(probe_batch)
-        self.probe_batch = probe_batch
         self.replicas = Replicas(distribute)
         self.meter = MemoryMeter(device or self.replicas.devices() or None)
         #: The device's memory: what a budget of None or a fraction reads, and what an out-of-memory stop names.
@@ -235,15 +234,18 @@ class Trainer:
 class Request:
     """What ``build`` partitions by: ``sections`` as checked (a count, boundary names or ``"auto"``), the block
     indices where sections start for boundary names (else None), and the policies of a fixed partition or a
-    ``Schedule`` given (the engine's; both None: the planner's, or the baselines' own)."""
+    ``Schedule`` given (the engine's; both None: the planner's, or the baselines' own), and the planner's probe
+    batch."""
 
     sections: int | list | str
     starts: list | None = None
     policies: list | None = None
     schedule: Schedule | None = None
+    probe_batch: int | None = None  # examples the planner's block probe runs (None: the real batch)
 
     @classmethod
-    def of(cls, network: Network, sections, memory_budget=None, planner: bool = True) -> "Request":
+    def of(cls, network: Network, sections, memory_budget=None, planner: bool = True,
+           probe_batch: int | None = None) -> "Request":
         """``sections`` checked, once, against every rule (``sections.rules``) and the network's blocks:
         its shape, ``memory_budget`` only with ``"auto"`` (``planner``: only the engine plans), a count no larger
         than the blocks, boundary names the network has, in order."""
@@ -254,7 +256,8 @@ class Request:
         if isinstance(sections, int):
             rules.check_section_count(sections, len(network.blocks), network.block_names)
         starts = network.boundary_starts(sections) if isinstance(sections, list) else None
-        return cls(sections, starts)
+        rules.check_probe_batch(probe_batch)
+        return cls(sections, starts, probe_batch=probe_batch)
 
 
 def _as_tensors(network, batch) -> dict:

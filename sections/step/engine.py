@@ -95,12 +95,11 @@ class Engine(Trainer):
         self.lean = rules.check_lean(lean)
         apply = rules.check_apply(apply)
         one_graph = bool(one_graph)
-        #: Why the update runs once after the whole backward (``None``: it runs section by section in it).
-        self.apply_reason = why_at_end(optimizer, self.replicas.distributed, one_graph)
+        apply_reason = why_at_end(optimizer, self.replicas.distributed, one_graph)
         if apply == "at_end":
-            self.apply_reason = "apply='at_end'"
-        elif apply == "in_backward" and self.apply_reason is not None and optimizer is not None:
-            raise ValueError(f"apply='in_backward' would not equal one update: {self.apply_reason}; use "
+            apply_reason = "apply='at_end'"
+        elif apply == "in_backward" and apply_reason is not None and optimizer is not None:
+            raise ValueError(f"apply='in_backward' would not equal one update: {apply_reason}; use "
                              f"apply='at_end' or 'auto'.")
         sections = self.request.sections
         if one_graph and (check or sections == "auto" or fixed is not None):
@@ -119,7 +118,7 @@ class Engine(Trainer):
         self.calibrator: Calibrator | None = None
         #: Running: the compiled program's steps.
         self.executor = Executor(network, optimizer, self.replicas, self.meter, self._scale_loss, check=bool(check),
-                                 jit_compile=self.jit_compile, in_backward=self.apply_reason is None,
+                                 jit_compile=self.jit_compile, apply_reason=apply_reason,
                                  one_graph=one_graph, penalty=penalty, extra_state=extra_state)
 
     # ------------------------------------------------------------------ what planning made (auto), read-only views
@@ -139,6 +138,11 @@ class Engine(Trainer):
     @property
     def one_graph(self) -> bool:
         return self.executor.one_graph
+
+    @property
+    def apply_reason(self) -> str | None:
+        """Why the update runs once after the whole backward (``None``: it runs section by section in it)."""
+        return self.executor.apply_reason
 
     @property
     def schedule(self) -> Schedule | None:
@@ -184,8 +188,8 @@ class Engine(Trainer):
         real = self.borders.real_batch
         no_room = (f"memory_budget={rules.human_bytes(self.memory_budget)} ({self.budget_source}): the device's "
                    f"memory ({self.device_memory.describe()})")
-        small, profiles = profile(self.network, batch, self.probe_batch or real, real, self.meter, self.lean, no_room)
-        self.probe_batch = int(tf.nest.flatten(small[self.network.inputs])[0].shape[0])
+        small, profiles = profile(self.network, batch, self.request.probe_batch or real, real, self.meter, self.lean,
+                                  no_room)
         probe = SectionProbe(self.network, small, real, self.meter)
         costs = PlanCosts.of(self.network, self.optimizer, self.borders, self.apply_reason is None)
         self.calibrator = Calibrator(profiles, probe, costs, self.memory_budget, self.budget_source, self.lean, self)

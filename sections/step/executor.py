@@ -77,23 +77,30 @@ def apart(first: int, second: int) -> bool:
 
 class Executor:
     """Runs a ``Compiled`` program on a batch: one step's cycle, with the update at its end or section by section in
-    the backward (``in_backward``), or the whole step as one graph (``one_graph``).
+    the backward (``apply_reason`` None: ``in_backward``), or the whole step as one graph (``one_graph``).
 
     ``extra_state()``: variables the loss updates beside the network's state (Keras metrics under ``fit``), which a
     dry step restores with the rest; ``penalty``: a ``WeightPenalty`` whose gradient is added for the variables
     outside the last section."""
 
     def __init__(self, network, optimizer, replicas, meter, scale_loss, *, check: bool = False,
-                 jit_compile: bool = False, in_backward: bool = False, one_graph: bool = False,
+                 jit_compile: bool = False, apply_reason: str | None = "apply='at_end'", one_graph: bool = False,
                  penalty: WeightPenalty | None = None, extra_state: Callable[[], Sequence] = tuple):
         self.network, self.optimizer, self.replicas, self.meter = network, optimizer, replicas, meter
         self.scale_loss = scale_loss
-        self.check, self.jit_compile, self.in_backward, self.one_graph = check, jit_compile, in_backward, one_graph
+        #: Why the update runs once after the whole backward (None: section by section in it).
+        self.apply_reason = apply_reason
+        self.check, self.jit_compile, self.one_graph = check, jit_compile, one_graph
         self.penalty, self.extra_state = penalty, extra_state
         self.trainable: list = []  # the network's trainable variables, once it is built (``adopt``)
         self._position: dict = {}
         self.compiled: Compiled | None = None
         self._fns: dict = {}  # the compiled update(s), one-graph step and penalty gradients
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether each section's update runs in the backward, as soon as its gradients are made."""
+        return self.apply_reason is None
 
     # ------------------------------------------------------------------ the program
     def adopt(self, compiled: Compiled) -> None:
