@@ -55,6 +55,18 @@ def test_a_budget_without_sections_auto_is_refused_not_ignored(sections):
         Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections=sections, memory_budget="1GiB")
 
 
+@pytest.mark.parametrize("trainer", ["WholeGraph", "RecomputeGrad"])
+def test_sections_auto_on_a_baseline_is_one_rule(trainer):
+    """The baselines do not plan: ``sections="auto"`` is the rule ``auto_needs_engine`` (``sections.rules``)."""
+    import sections
+    from sections.rules import RuleError
+    from engine_nets import conv_stack
+
+    with pytest.raises(RuleError, match=r"sections='auto' plans the sectioned engine") as err:
+        getattr(sections, trainer)(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto")
+    assert err.value.rule == "auto_needs_engine"
+
+
 def test_recompute_grad_over_one_section_says_it_checkpoints_nothing(caplog):
     from sections import RecomputeGrad
     from engine_nets import conv_stack
