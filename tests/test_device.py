@@ -1,12 +1,14 @@
 """Fitting a device of fixed memory: the budget read from the device, out-of-memory messages, `batch=max`'s search,
 and (in child processes with TF_CPU_BFC_MEM_LIMIT_IN_MB, a CPU allocator with a hard limit as a GPU has) whole
-steps that run out of memory in one line, `sections=auto` with no budget, `batch=max`, `SectionedModel` where
-plain `fit` runs out, and a step that ran out recovered with the losses of a run that did not."""
+steps that run out of memory in one line and a table of what held memory, `sections=auto` with no budget,
+`batch=max`, `SectionedModel` where plain `fit` runs out, and a step that ran out recovered with the losses of a run
+that did not."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -167,15 +169,29 @@ def metrics(out: Path) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
-def test_a_whole_step_out_of_memory_is_one_line_with_what_would_fit(tmp_path):
+def test_a_whole_step_out_of_memory_is_one_line_with_what_would_fit_and_what_held_memory(tmp_path):
+    """The step's batch runs once more under the profiler (about 10 s more: TensorFlow's BFC allocator waits 10 s
+    for memory to come free before it fails an allocation, each time)."""
+    run = tmp_path / "run"
     proc = on_device(350, "-m", "runner", *RESNET, "engine=whole", "batch=512", "train.steps=2",
-                     f"hydra.run.dir={tmp_path / 'run'}")
+                     "train.checkpoint_every=1", "train.save_model=true", f"hydra.run.dir={run}")
     assert proc.returncode == 4, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "step 1: out of memory on CPU:0: 350.0 MiB (TF_CPU_BFC_MEM_LIMIT_IN_MB=350)" in errors[0]
     assert "the failing allocation asked for" in errors[0] and "would fit: sections=auto" in errors[0]
-    assert not list(tmp_path.glob("run/checkpoints/ckpt-*")), "a failed step is never saved"
+    assert errors[0].endswith(f"nothing of step 1 was saved; what held memory: {run / 'peak_breakdown.md'}")
+    assert not list(run.glob("checkpoints/ckpt-*")) and not list(run.glob("model*.keras")), "a failed step is " \
+        "never saved"
+    table = (run / "peak_breakdown.md").read_text()
+    assert table.startswith("# What held memory when step 1 ran out of the device's memory\n"), table
+    traced = int(re.search(r"^Peak [\d.]+ MiB \((\d+) bytes", table, re.M).group(1))
+    assert 175 * 2**20 < traced <= 350 * 2**20, table  # the allocator near its limit, as it failed
+    # the activations at the batch's size held it: rows of at least 1 MiB with a [512, ...] tensor
+    held = [(float(mib), shapes) for mib, shapes in re.findall(r"^\| \S+ \(\w+\) \| ([\d.]+) \| \d+ \| (.*) \|$",
+                                                                 table, re.M)]
+    assert any(mib >= 1 and "[512," in shapes for mib, shapes in held), table
+    assert list(run.glob("oom_profile/plugins/profile/*/*.xplane.pb")), "its profile, apart from profile_steps'"
 
 
 @pytest.mark.slow  # 40-80 s; the fast set keeps sections="auto" with no budget on the device in the recovery test

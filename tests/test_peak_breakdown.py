@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import keras
+import pytest
 
 from engine_nets import conv_stack, make_batch
 from runner.record import peak
@@ -70,3 +71,87 @@ def test_an_unreadable_profile_is_one_warning_not_an_error(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="runner"):
         hook._write_breakdown()
     assert "could not be read" in caplog.text and not (tmp_path / "peak_breakdown.md").exists()
+
+
+# ---------------------------------------------------------------------------------------------- out of memory
+class RunsOut:
+    """An engine whose first `runs_out` steps run out of memory; counts its steps."""
+
+    plan = None
+
+    def __init__(self, runs_out: int = 2):
+        self.runs_out, self.steps = runs_out, 0
+
+    def train_step(self, batch):
+        from sections import OutOfMemory
+
+        self.steps += 1
+        if self.steps <= self.runs_out:
+            raise OutOfMemory("out of memory on a test device", None, 4096, "[1024] float", 0)
+        return {"loss": 0.0, "step_peak_bytes": None}
+
+
+def stop_line(engine, on_oom) -> str:
+    """The one line an out-of-memory stop of `engine`'s first step ends with (the OutOfMemoryStop's message)."""
+    from runner.errors import OutOfMemoryStop
+    from runner.run.hooks import Hooks
+    from runner.run.train import _loop
+
+    with pytest.raises(OutOfMemoryStop) as stopped:
+        _loop(engine, iter(()), Hooks([]), 0, 3, first={"x": 1}, on_oom=on_oom)
+    text = str(stopped.value)
+    assert text.startswith("step 1: out of memory on a test device") and "\n" not in text
+    return text
+
+
+def test_a_failing_profiler_leaves_the_out_of_memory_stop_saying_why_there_is_no_breakdown(tmp_path, monkeypatch):
+    import tensorflow as tf
+
+    from runner.run.oom import OomBreakdown
+
+    def busy(logdir, options=None):
+        raise tf.errors.UnavailableError(None, None, "Another profiler is running.")
+
+    monkeypatch.setattr(tf.profiler.experimental, "start", busy)
+    engine = RunsOut()
+    text = stop_line(engine, OomBreakdown(engine, tmp_path))
+    assert text.endswith("nothing of step 1 was saved; no peak breakdown: UnavailableError: Another profiler is "
+                         "running."), text
+    assert engine.steps == 1 and not (tmp_path / "peak_breakdown.md").exists()
+
+
+def test_a_re_run_that_fits_or_traces_nothing_writes_no_breakdown(tmp_path, monkeypatch):
+    from runner.record import peak
+    from runner.run.oom import OomBreakdown
+
+    engine = RunsOut(runs_out=1)
+    assert stop_line(engine, OomBreakdown(engine, tmp_path)).endswith(
+        "; no peak breakdown: its re-run under the profiler did not run out of memory")
+    assert engine.steps == 2 and (tmp_path / "oom_profile").is_dir()  # profiled, apart from plugins/profile
+    monkeypatch.setattr(peak, "read", lambda folder, statistics=None: None)
+    engine = RunsOut()
+    assert stop_line(engine, OomBreakdown(engine, tmp_path)).endswith(
+        "; no peak breakdown: the profile traced no allocation")
+    assert not (tmp_path / "peak_breakdown.md").exists()
+
+
+def test_no_re_run_when_switched_off_across_workers_or_while_a_profile_traces_the_step(tmp_path):
+    from runner.run.oom import OomBreakdown
+
+    engine = RunsOut()
+    assert stop_line(engine, OomBreakdown(engine, tmp_path, enabled=False)).endswith(
+        "nothing of step 1 was saved")
+    assert stop_line(engine, OomBreakdown(engine, tmp_path, workers=2)).endswith(
+        "; no peak breakdown: not re-run on one of 2 workers (the others would wait on it)")
+
+    class Profiling:
+        active, stopped_at = True, None
+
+        def stop_at(self, step):
+            self.stopped_at = step
+            return tmp_path / "peak_breakdown.md"
+
+    engine, profiling = RunsOut(), Profiling()
+    text = stop_line(engine, OomBreakdown(engine, tmp_path, profiler=profiling))
+    assert text.endswith(f"; what held memory: {tmp_path / 'peak_breakdown.md'}") and profiling.stopped_at == 1
+    assert engine.steps == 1  # the running profile traced the failed step: no re-run

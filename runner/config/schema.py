@@ -77,6 +77,7 @@ class TrainConfig:
     inter_op_threads: Any  # auto, a positive int or null (checks.py)
     verify_exact: bool
     profile_steps: Optional[List[int]]
+    oom_breakdown: bool
     precision: str
     save_model: Any
 

@@ -87,14 +87,25 @@ class Profiler(Hook):
                      f" (TensorBoard's Profile tab)")
 
     def on_train_end(self) -> None:
-        if self.active:
-            import tensorflow as tf
+        self.stop()
 
-            self.active = False
-            tf.profiler.experimental.stop()
-            self._write_breakdown()
+    def stop_at(self, step: int) -> Path | None:
+        """Stop a running profile at `step`, before its window's end (a step that ran out of memory stops the
+        run): where its breakdown was written, or None."""
+        self.window = (self.window[0], step)
+        return self.stop()
 
-    def _write_breakdown(self) -> None:
+    def stop(self) -> Path | None:
+        """Stop the profile, where one runs, and write its breakdown: where it was written, or None."""
+        if not self.active:
+            return None
+        import tensorflow as tf
+
+        self.active = False
+        tf.profiler.experimental.stop()
+        return self._write_breakdown()
+
+    def _write_breakdown(self) -> Path | None:
         from runner.platform.files import write_atomic
         from runner.record import peak
 
@@ -103,16 +114,17 @@ class Profiler(Hook):
         except Exception as err:  # noqa: BLE001 - a diagnostic: it must not hide why the run ended
             log.warning(f"the profile's allocator trace could not be read ({type(err).__name__}: {err}): "
                         f"no peak breakdown")
-            return
+            return None
         if found is None:
             log.info("the profile traced no allocation (under oneDNN it leaves out those under 256 KiB): "
                      "no peak breakdown")
-            return
+            return None
         path = self.out / "peak_breakdown.md"
         first, last = self.window
         steps = f"step {first}" if first == last else f"steps {first}-{last}"
         write_atomic(path, f"# What held the peak of {steps}\n\n" + found.table())
         log.info(f"{found.headline()} (table: {path})")
+        return path
 
 
 class FiniteStop(Hook):

@@ -16,6 +16,7 @@ from runner.errors import ConfigError, OutOfMemoryStop, RunnerError
 from runner.run.build import Setup
 from runner.run.hooks import (Checkpointing, Evaluation, FiniteStop, Hooks, Profiler, ProgressHook, SignalStop,
                               Telemetry)
+from runner.run.oom import OomBreakdown
 from runner.run.progress import Progress
 from sections import telemetry
 from sections.rules import human_bytes
@@ -65,12 +66,15 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
         model_files = ModelFiles(out, engine, data, setup.probe, save_model)
         evaluation = Evaluation(lambda: evaluate(engine, data, eval_batch), train.eval_every, train.steps,
                                 record.board, progress, then=model_files.evaluated)
-        hooks = Hooks([Profiler(train.get("profile_steps"), out),
+        profiler = Profiler(train.get("profile_steps"), out)
+        oom_breakdown = OomBreakdown(engine, out, train.get("oom_breakdown", True), profiler,
+                                     distribute.workers(setup.strategy))
+        hooks = Hooks([profiler,
                        FiniteStop(engine.network.variables, checkpoints),
                        telemetry, ProgressHook(progress, cfg.batch), evaluation,
                        Checkpointing(checkpoints, train.checkpoint_every, train.steps),
                        SignalStop(checkpoints, train.checkpoint_every, train.steps, out)])
-        step = _loop(engine, batches, hooks, start, train.steps, first, data)
+        step = _loop(engine, batches, hooks, start, train.steps, first, data, oom_breakdown)
         if finishing:  # no step ran: the final evaluation, for the files that follow from it
             evaluation.results = evaluate(engine, data, eval_batch)
             model_files.evaluated(step, evaluation.results)
@@ -128,9 +132,10 @@ def _kept_metrics(out: Path) -> dict | None:
     return metrics if isinstance(metrics, dict) and "metric" in metrics else None
 
 
-def _loop(engine, batches, hooks: Hooks, start: int, steps: int, first=None, data=None) -> int:
+def _loop(engine, batches, hooks: Hooks, start: int, steps: int, first=None, data=None, on_oom=None) -> int:
     """Steps `start + 1 .. steps`, the hooks around each (`first`: the first step's batch, already taken from
-    `batches`; `data`: the source, to name a file that fails); returns the last step run."""
+    `batches`; `data`: the source, to name a file that fails; `on_oom(step, batch)`: the end of the out-of-memory
+    stop line, `runner.run.oom`); returns the last step run."""
     from sections import BudgetExceededError, OutOfMemory, ReplayMismatchError
 
     from runner.run import datafeed
@@ -142,12 +147,15 @@ def _loop(engine, batches, hooks: Hooks, start: int, steps: int, first=None, dat
             batch, first = (first, None) if first is not None else (datafeed.next_batch(batches, data), None)
             hooks.on_step_begin(step)
             began = time.perf_counter()
+            stopped = None
             try:
                 stats = engine.train_step(batch)
             except (ReplayMismatchError, BudgetExceededError) as err:
                 raise RunnerError(f"step {step}: {err}") from err
             except OutOfMemory as err:
-                raise OutOfMemoryStop(f"step {step}: {err}; {what_would_fit(engine)}; {_saved(step)}") from None
+                stopped = f"step {step}: {err}; {what_would_fit(engine)}; {_saved(step)}"
+            if stopped:  # out of the except: the failed step's error (and what it holds) is gone before on_oom
+                raise OutOfMemoryStop(stopped + (on_oom(step, batch) if on_oom else "")) from None
             hooks.on_step_end(step, stats, time.perf_counter() - began)
     finally:
         hooks.on_train_end()
