@@ -103,6 +103,10 @@ BAD = [
     (["optimizer.bogus=1"], "optimizer.bogus=1: unknown key; optimizer has: _target_, learning_rate"),
     (["model=mlp", "model.hiddn=[3]"], "model.hiddn=[3]: unknown key (did you mean 'hidden'?); model has: _target_, default_sections, hidden"),
     (["data.max_shif=1"], "data.max_shif=1: unknown key (did you mean 'max_shift'?); data has: _target_, test_fraction"),
+    # a node given whole is what a later key under it is checked against (it read "model.args has: no keys")
+    (["model=keras_hub", "model.args={{num_layers: 2}}", "model.args.hidden_dim=64"],
+     "model.args.hidden_dim=64: unknown key; model.args has: num_layers (+model.args.hidden_dim=... adds a new key)"),
+    (["model=keras_hub", "model.argz={{num_layers: 2}}"], "model.argz={{num_layers: 2}}: unknown key (did you mean 'args'?)"),
     (["batch=0"], "batch=0: must be a positive integer"),
     (["~batch"], "~batch: cannot be deleted: the runner needs it; set it instead (batch=<value>)"),
     (["batch=-5"], "batch=-5: must be a positive integer"),

@@ -100,6 +100,8 @@ def _check_group_keys(overrides, conf_dir: str) -> None:
                if ("." not in o.key_or_group and not o.is_sweep_override() and o.input_line
                    and (Path(conf_dir) / o.key_or_group.split("/")[0]).is_dir())
                or o.key_or_group == "hydra.searchpath"]
+    # A node given whole (`model.args={num_layers: 2}`) is what other keys under it are checked against.
+    whole = [o for o in wanted if not o.is_sweep_override() and isinstance(o.value(), dict)]
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -107,11 +109,17 @@ def _check_group_keys(overrides, conf_dir: str) -> None:
     try:
         with initialize_config_dir(config_dir=conf_dir, version_base="1.3", job_name="check"):
             cfg = compose("config", overrides=choices)
+            given = cfg
+            if whole:
+                try:
+                    given = compose("config", overrides=choices + [o.input_line for o in whole])
+                except HydraException:  # a whole node under a wrong key: checked below against the defaults
+                    pass
     except HydraException:
         return  # a bad group choice; Hydra or the checks above report it
     for o in wanted:
         group, *path = o.key_or_group.split(".")
-        node = cfg[group]
+        node = (cfg if o in whole else given)[group]
         for depth, part in enumerate(path):
             if not OmegaConf.is_dict(node) or part not in node:
                 where = ".".join([group, *path[:depth]])
