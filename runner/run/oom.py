@@ -10,6 +10,7 @@ as "no peak breakdown: <why>" and never replaces the stop.
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
 from pathlib import Path
@@ -63,10 +64,9 @@ def rerun(engine, batch, folder: Path):
     import tensorflow as tf
 
     from sections import OutOfMemory
-    from sections.backend.device import release
 
     shutil.rmtree(folder, ignore_errors=True)  # an earlier stop's trace in this folder would be read as this one's
-    release()  # what the failed step left to the collector
+    gc.collect()  # what the failed step left to the collector
     tf.profiler.experimental.start(str(folder))
     try:
         step_once(engine, batch)
