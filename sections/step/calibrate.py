@@ -210,7 +210,8 @@ class Calibrator:
         return NoPlanFits(
             f"memory_budget={rules.human_bytes(self.budget)} ({self.budget} bytes"
             f"{'' if self.budget_source == 'given' else '; ' + self.budget_source}): no partition "
-            f"fits; the smallest plan's dry step (run at build, its state restored) measured "
+            f"fits; the smallest plan's dry step (run at build, its state restored) "
+            f"{'ran out of the device memory, needing at least' if math.isinf(run.seconds) else 'measured'} "
             f"{rules.human_bytes(measured)} ({measured} bytes); {rule}: the smallest budget that fits is about "
             f"{rules.human_bytes(advised)}.",
             measured, plan, advised)
