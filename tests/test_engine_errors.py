@@ -78,3 +78,32 @@ def test_recompute_grad_over_one_section_says_it_checkpoints_nothing(caplog):
     with caplog.at_level("WARNING", logger="sections"):
         RecomputeGrad(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections=2).build(make_batch(n=8))
     assert "checkpoints nothing" not in caplog.text
+
+
+def test_a_step_asked_not_to_re_plan_raises_out_of_memory_where_auto_would_re_plan(monkeypatch):
+    """On a device with a hard limit ``sections="auto"`` re-plans a step that runs out of memory; with
+    ``replan=False`` (the runner's diagnostic re-run) the step as compiled raises ``OutOfMemory`` instead."""
+    import dataclasses
+
+    import tensorflow as tf
+
+    from sections import Engine, OutOfMemory
+    from engine_nets import conv_stack, make_batch
+
+    batch = make_batch(n=8, size=8, classes=10)
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="1GiB")
+    engine.build(batch)
+    engine.device_memory = dataclasses.replace(engine.device_memory, hard=True)
+    replanned = []
+
+    def out_of_memory(b):
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[1024]")
+
+    monkeypatch.setattr(engine.executor, "step", out_of_memory)
+    monkeypatch.setattr(engine.calibrator, "replan_below", lambda err, b: replanned.append(err))
+    with pytest.raises(OutOfMemory):
+        engine.train_step(batch, replan=False)
+    assert replanned == []
+    with pytest.raises(OutOfMemory):
+        engine.train_step(batch)
+    assert len(replanned) == 3  # MAX_REPLANS attempts, then it stops

@@ -82,9 +82,10 @@ class RunsOut:
     def __init__(self, runs_out: int = 2):
         self.runs_out, self.steps = runs_out, 0
 
-    def train_step(self, batch):
+    def train_step(self, batch, replan=True):
         from sections import OutOfMemory
 
+        self.replans = getattr(self, "replans", []) + [replan]
         self.steps += 1
         if self.steps <= self.runs_out:
             raise OutOfMemory("out of memory on a test device", None, 4096, "[1024] float", 0)
@@ -157,34 +158,13 @@ def test_no_re_run_when_switched_off_across_workers_or_while_a_profile_traces_th
     assert engine.steps == 1  # the running profile traced the failed step: no re-run
 
 
-def test_a_re_planning_engine_re_runs_its_programs_step_not_its_re_plans(tmp_path):
+def test_the_re_run_asks_the_engine_not_to_re_plan(tmp_path):
     """With ``sections=auto`` the engine re-plans a step that runs out of memory (dry steps): the diagnostic
-    re-run runs the compiled program's step once, so the trace's peak is that step's, not a dry step's."""
-    import tensorflow as tf
-
+    re-run asks for the step as compiled (``replan=False``), so the trace's peak is that step's, not a dry
+    step's."""
     from runner.run.oom import OomBreakdown
 
-    class Executor:
-        def __init__(self):
-            self.steps = 0
-
-        def step(self, batch):
-            self.steps += 1
-            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[1024]")
-
-    class Replanning(RunsOut):
-        calibrator = object()
-
-        def __init__(self):
-            super().__init__()
-            from sections.backend.device import device_memory
-            from sections.backend.memory import MemoryMeter
-            from sections.backend.replicas import Replicas
-
-            self.executor, self.replicas, self.meter = Executor(), Replicas(None), MemoryMeter()
-            self.device_memory = device_memory("CPU:0")
-
-    engine = Replanning()
+    engine = RunsOut()
     text = stop_line(engine, OomBreakdown(engine, tmp_path))
-    assert engine.steps == 1 and engine.executor.steps == 1, (engine.steps, engine.executor.steps)
+    assert engine.replans == [True, False], engine.replans
     assert "did not run out of memory" not in text and "Error" not in text, text  # its OutOfMemory was the re-run's

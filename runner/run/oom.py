@@ -69,30 +69,13 @@ def rerun(engine, batch, folder: Path):
     gc.collect()  # what the failed step left to the collector
     tf.profiler.experimental.start(str(folder))
     try:
-        step_once(engine, batch)
+        # sections=auto would re-plan it: its dry steps, not the failing step, would be the trace's peak
+        engine.train_step(batch, replan=False)
     except OutOfMemory as err:
         return err
     finally:
         tf.profiler.experimental.stop()
     raise NoBreakdown("its re-run under the profiler did not run out of memory")
-
-
-def step_once(engine, batch) -> None:
-    """`batch`'s step as the compiled program runs it. An engine that re-plans a step that ran out of memory
-    (`sections=auto` on a device with a hard limit) runs its program's step directly (`engine.executor`): its
-    re-plans' dry steps would otherwise be in the trace, their peak read as the failing step's."""
-    import tensorflow as tf
-
-    from sections import OutOfMemory
-
-    executor = getattr(engine, "executor", None)
-    if getattr(engine, "calibrator", None) is None or executor is None:
-        engine.train_step(batch)
-        return
-    try:
-        executor.step(engine.replicas.split(dict(batch)))
-    except tf.errors.ResourceExhaustedError as err:
-        raise OutOfMemory.from_error(err, engine.meter, engine.device_memory) from None
 
 
 def write(path: Path, step: int, failed, folder: Path) -> Path:

@@ -112,17 +112,24 @@ class Trainer:
         return balanced_starts(costs, self.request.sections)
 
     # ------------------------------------------------------------------ steps
-    def train_step(self, batch: Mapping[str, tf.Tensor]) -> StepReading:
+    def train_step(self, batch: Mapping[str, tf.Tensor], replan: bool = True) -> StepReading:
         """One training step; returns its ``sections.telemetry.StepReading``: loss, forward runs per section, peak
         bytes per section and for the step (under a strategy: ``batch`` is the global batch, forward runs are per
         replica, peaks are the largest replica device's, and ``device_peak_bytes`` has each device's). It reads as
-        a dict too (``stats["loss"]``)."""
+        a dict too (``stats["loss"]``). ``replan=False``: a step that runs out of memory raises ``OutOfMemory``
+        even where the engine would re-plan it and run it again (``sections="auto"`` on a device with a hard
+        limit; a diagnostic re-run of the program as compiled)."""
         batch = _as_tensors(self.network, batch)
         self.build(batch)
         try:
-            return self._step(self.replicas.split(dict(batch)))
+            step = self._step if replan else self._step_as_compiled
+            return step(self.replicas.split(dict(batch)))
         except tf.errors.ResourceExhaustedError as err:
             raise OutOfMemory.from_error(err, self.meter, self.device_memory) from None
+
+    def _step_as_compiled(self, batch):
+        """One step with no recovery from running out of memory (where ``_step`` has none, ``_step`` itself)."""
+        return self._step(batch)
 
     def gradients(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, list]:
         """Loss and gradients (aligned with ``network.trainable_variables``; None where a variable gets none),
