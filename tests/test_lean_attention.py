@@ -89,7 +89,18 @@ def test_block_masks_are_slices_of_the_mask_keras_dropout_draws_for_the_whole_te
     whole = tf.nn.experimental.stateless_dropout(tf.ones(shape, dtype), 0.3, seed=seed)
     blocks = [lean_attention_module._keep(0.3, seed, tf.constant([2, 10, 3, 4]), 7, t0, min(10, t0 + 4), tf.as_dtype(dtype))
               for t0 in range(0, 10, 4)]
-    assert np.array_equal(tf.concat(blocks, axis=2).numpy(), whole.numpy())
+    kept = tf.concat(blocks, axis=2)
+    assert np.array_equal(kept.numpy(), whole.numpy() != 0)
+    scaled = tf.cast(kept, dtype) * tf.constant(1 / 0.7, dtype)
+    assert np.array_equal(scaled.numpy(), whole.numpy())
+
+
+@pytest.mark.parametrize("keys", [7, 8, 13, 2048])
+def test_the_keep_mask_kept_for_the_backward_is_one_bit_a_weight_and_unpacks_to_itself(keys):
+    kept = tf.random.stateless_uniform([2, 3, 5, keys], seed=[1, keys]) >= 0.3
+    packed = lean_attention_module._pack(kept)
+    assert packed.dtype == tf.uint8 and packed.shape == [2, 3, 5, -(-keys // 8)]
+    assert np.array_equal(lean_attention_module._unpack(packed, keys).numpy(), kept.numpy())
 
 
 def _shapes(graph_def) -> set:

@@ -9,8 +9,10 @@ scaled first, masked scores filled with Keras's large negative number, masked we
 
 Dropout: the keep mask of every block is the slice of the mask that Keras's own dropout draws for the whole
 weights tensor from the same seed (``tf.nn.experimental.stateless_dropout``: TensorFlow's Philox generator,
-skipped to the block's first element), so a step equals Keras's, dropout included, and the backward replays
-the forward's mask exactly. Where the generator is not Philox (a TPU), or shapes are not known when tracing,
+skipped to the block's first element), so a step equals Keras's, dropout included. The forward keeps each
+block's keep mask for the backward packed one bit a weight (``B x N x T x S / 8`` bytes, 1/32 of one float32
+``n x n`` tensor: 4 MiB for ``[2, 4, 2048, 2048]``) instead of drawing it again: the draw is the costliest part of
+the re-make on a CPU (about 0.1 s for that shape). Where the generator is not Philox (a TPU), or shapes are not known when tracing,
 the layer runs Keras's own computation.
 
 Inside ``lean_scope`` (on with ``lean=True`` and ``"recompute"``) every ``keras.layers.MultiHeadAttention`` (and a
@@ -88,11 +90,13 @@ def _lean(spec):
         _traces["forward"] += 1
         blocks = _blocks(q.shape[1], spec.rows)
         qt, kt, vt = _heads_first(q, k, v)  # once: each block's products then need no transposes
-        outs, after = [], []
+        outs, packed, after = [], [], []
         for t0, t1 in blocks:
             with tf.control_dependencies(after):  # one block at a time: each waits for the one before
-                _, _, pd = _weights(spec, tf.shape(q), qt, kt, v.dtype, mask, seed, t0, t1)
+                _, _, pd, kept = _weights(spec, tf.shape(q), qt, kt, v.dtype, mask, seed, t0, t1)
                 out = tf.matmul(pd, vt)
+                if kept is not None:  # for the backward: one bit per weight (pruned where no gradient is asked)
+                    packed.append(_pack(kept))
             outs.append(out)
             after = [out]
         y = _tokens_first(outs[0] if len(outs) == 1 else tf.concat(outs, axis=2))
@@ -104,9 +108,11 @@ def _lean(spec):
                 qt, kt, vt = _heads_first(q, k, v)  # again from q, k, v: the forward's copies are not kept
                 dyt = tf.transpose(dy, [0, 2, 1, 3])
             after = [dyt]
-            for t0, t1 in blocks:
+            for i, (t0, t1) in enumerate(blocks):
                 with tf.control_dependencies(after):
-                    qs, p, pd = _weights(spec, tf.shape(q), qt, kt, v.dtype, mask, seed, t0, t1, keep=True)
+                    kept = _unpack(packed[i], kt.shape[2]) if packed else None
+                    qs, p, pd, _ = _weights(spec, tf.shape(q), qt, kt, v.dtype, mask, seed, t0, t1, keep=True,
+                                            kept=kept)
                     do = dyt[:, :, t0:t1]
                     dv_b = tf.matmul(pd, do, transpose_a=True)
                     dpd = tf.matmul(do, vt, transpose_b=True)
@@ -158,9 +164,10 @@ class _Weights:
         self.soft, self.where, self.keep = soft, where, keep
 
 
-def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, keep=False):
+def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, keep=False, kept=None):
     """Rows ``t0:t1`` (``qt``, ``kt``: ``[B, N, T|S, H]``): the query block as the scores read it, the softmax (a
-    ``_Weights`` when ``keep``) and the dropped-out weights in ``v_dtype``, rounded as ``spec.style`` says."""
+    ``_Weights`` when ``keep``), the dropped-out weights in ``v_dtype``, rounded as ``spec.style`` says, and the
+    boolean keep mask (None without dropout). ``kept``: the block's keep mask as drawn before (not drawn again)."""
     if spec.style.startswith("explicit"):
         qs = qt[:, :, t0:t1] * tf.constant(spec.scale, qt.dtype)
         s = tf.matmul(qs, kt, transpose_b=True)
@@ -181,11 +188,14 @@ def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, keep=False):
     p = tf.cast(soft, v_dtype)
     scaled_keep = None
     if spec.rate > 0:
-        scaled_keep = _keep(spec.rate, seed, q_shape, tf.shape(kt)[2], t0, t1, p.dtype)
+        if kept is None:
+            kept = _keep(spec.rate, seed, q_shape, tf.shape(kt)[2], t0, t1, p.dtype)
+        # stateless_dropout: x * (1 / (1 - rate)) * cast(draw >= rate)
+        scaled_keep = tf.constant(1.0 / (1.0 - spec.rate), p.dtype) * tf.cast(kept, p.dtype)
         pd = p * scaled_keep
     else:
         pd = p
-    return qs, (_Weights(soft, where, scaled_keep) if keep else None), pd
+    return qs, (_Weights(soft, where, scaled_keep) if keep else None), pd, kept
 
 
 def _fill(style, dtype):
@@ -210,8 +220,9 @@ def _attended(spec, mask, t0, t1, keys):
 
 
 def _keep(rate, seed, q_shape, keys, t0, t1, dtype):
-    """Rows ``t0:t1`` of ``stateless_dropout``'s scaled keep mask for the whole ``[B, N, T, S]`` weights: each
-    (batch, head) row range is a contiguous run of the full tensor's uniform draws, made by Philox skipped to it."""
+    """Rows ``t0:t1`` of ``stateless_dropout``'s boolean keep mask for the whole ``[B, N, T, S]`` weights (uniform
+    draws in ``dtype``): each (batch, head) row range is a contiguous run of the full tensor's uniform draws, made by
+    Philox skipped to it."""
     key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
     alg = tf.raw_ops.StatelessRandomGetAlg()
     batch, rows, heads = q_shape[0], q_shape[1], q_shape[2]
@@ -228,8 +239,28 @@ def _keep(rate, seed, q_shape, keys, t0, t1, dtype):
 
     draws = tf.map_fn(one, tf.range(batch * heads), fn_output_signature=tf.TensorSpec([None], dtype))
     draws = tf.reshape(draws, [batch, heads, t1 - t0, keys])
-    # stateless_dropout: x * (1 / (1 - rate)) * cast(draw >= rate)
-    return tf.constant(1.0 / (1.0 - rate), dtype) * tf.cast(draws >= tf.constant(rate, dtype), dtype)
+    return draws >= tf.constant(rate, dtype)
+
+
+_BITS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _pack(kept):
+    """A boolean ``[..., S]`` mask as ``[..., ceil(S / 8)]`` uint8, eight positions a byte (1/32 of float32's)."""
+    keys = kept.shape[-1]
+    if keys % 8:
+        kept = tf.pad(kept, [[0, 0]] * (kept.shape.rank - 1) + [[0, -keys % 8]])
+    shape = tf.concat([tf.shape(kept)[:-1], [-(-keys // 8), 8]], axis=0)
+    bits = tf.reshape(tf.cast(kept, tf.uint8), shape) * tf.constant(_BITS, tf.uint8)
+    return tf.reduce_sum(bits, axis=-1)  # distinct powers of two: the sum is their bitwise or
+
+
+def _unpack(packed, keys: int):
+    """``_pack``'s inverse: the ``[..., keys]`` boolean mask."""
+    bits = tf.bitwise.bitwise_and(packed[..., tf.newaxis], tf.constant(_BITS, tf.uint8)) > 0
+    shape = tf.concat([tf.shape(packed)[:-1], [packed.shape[-1] * 8]], axis=0)
+    kept = tf.reshape(bits, shape)
+    return kept if keys % 8 == 0 else kept[..., :keys]
 
 
 def _add(counter, steps):

@@ -20,6 +20,7 @@ Variants:
                               positional, its mask and flags closed over), then model.fit
     sect:layers               SectionedModel(model, sections=[transformer_layer_0 .. _5]) (lean attention on)
     sect:layers:nolean        the same with lean=False (lean attention and the engine's other lean gradients off)
+    ends:<b1,b2,..>           SectionedModel(model, sections=[b1, b2, ..]): a fixed partition, e.g. the one auto chose
     auto:<fraction>           SectionedModel(model, sections="auto", memory_budget=<fraction> x plain's peak at
                               this length, measured earlier in the same sweep)
 
@@ -103,6 +104,8 @@ def run_variant(args) -> dict:
     fit_model = model
     if kind == "sect":
         fit_model = sections.SectionedModel(model, sections=list(LAYER_NAMES), lean=option != "layers:nolean")
+    elif kind == "ends":  # a fixed partition: the sections' last blocks, comma-separated (as auto's section_ends)
+        fit_model = sections.SectionedModel(model, sections=option.split(","))
     elif kind == "auto":
         fit_model = sections.SectionedModel(model, sections="auto",
                                                memory_budget=int(args.budget) if args.budget else None)
@@ -114,12 +117,14 @@ def run_variant(args) -> dict:
     x = [windows[:, :-1], np.ones((n, seq), "int32")]  # token_ids, padding_mask
     y = windows[:, 1:]
     peaks, times, losses = [], [], []
-    sectioned = kind in ("sect", "auto")
+    sectioned = kind in ("sect", "auto", "ends")
 
     class Probe(keras.callbacks.Callback):
         def on_train_batch_begin(self, step, logs=None):
             if not sectioned:
                 tf.config.experimental.reset_memory_stats(device)
+            if args.profile and step == args.warmup:
+                tf.profiler.experimental.start(args.profile)
             self.t = time.perf_counter()
 
         def on_train_batch_end(self, step, logs=None):
@@ -130,6 +135,8 @@ def run_variant(args) -> dict:
             else:
                 peak = tf.config.experimental.get_memory_info(device)["peak"]
             losses.append(loss)
+            if args.profile and step == args.warmup:
+                tf.profiler.experimental.stop()
             if step >= args.warmup:
                 peaks.append(peak)
                 times.append(seconds)
@@ -309,6 +316,8 @@ def main():
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     p.add_argument("--budget", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--profile", help="with --variant: trace the first timed step with tf.profiler into this folder "
+                   "(summed by op type with docs/bench/transformer/op_times.py)")
     args = p.parse_args()
     if args.variant:
         print("RESULT " + json.dumps(run_variant(args)), flush=True)
