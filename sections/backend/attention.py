@@ -93,10 +93,10 @@ def _lean(spec):
         outs, packed, after = [], [], []
         for t0, t1 in blocks:
             with tf.control_dependencies(after):  # one block at a time: each waits for the one before
-                _, _, pd, kept = _weights(spec, tf.shape(q), qt, kt, v.dtype, mask, seed, t0, t1)
-                out = tf.matmul(pd, vt)
-                if kept is not None:  # for the backward: one bit per weight (pruned where no gradient is asked)
-                    packed.append(_pack(kept))
+                b = _weights(spec, tf.shape(q), qt, kt, v.dtype, mask, seed, t0, t1)
+                out = tf.matmul(b.pd, _upto(vt, b.reach))
+                if b.kept is not None:  # for the backward: one bit per weight (pruned where no gradient is asked)
+                    packed.append(_pack(b.kept))
             outs.append(out)
             after = [out]
         y = _tokens_first(outs[0] if len(outs) == 1 else tf.concat(outs, axis=2))
@@ -108,28 +108,30 @@ def _lean(spec):
                 qt, kt, vt = _heads_first(q, k, v)  # again from q, k, v: the forward's copies are not kept
                 dyt = tf.transpose(dy, [0, 2, 1, 3])
             after = [dyt]
+            keys = kt.shape[2]
+            explicit = spec.style.startswith("explicit")
             for i, (t0, t1) in enumerate(blocks):
                 with tf.control_dependencies(after):
-                    kept = _unpack(packed[i], kt.shape[2]) if packed else None
-                    qs, p, pd, _ = _weights(spec, tf.shape(q), qt, kt, v.dtype, mask, seed, t0, t1, keep=True,
-                                            kept=kept)
+                    kept = _unpack(packed[i], keys) if packed else None
+                    b = _weights(spec, tf.shape(q), qt, kt, v.dtype, mask, seed, t0, t1, kept=kept)
                     do = dyt[:, :, t0:t1]
-                    dv_b = tf.matmul(pd, do, transpose_a=True)
-                    dpd = tf.matmul(do, vt, transpose_b=True)
-                    dp = dpd if spec.rate <= 0 else dpd * p.keep
-                    if p.where is not None and spec.style.startswith("explicit"):
-                        dp = tf.where(p.where, dp, tf.zeros_like(dp))
-                    dp = tf.cast(dp, p.soft.dtype)
-                    ds = p.soft * (dp - tf.reduce_sum(dp * p.soft, axis=-1, keepdims=True))
-                    if p.where is not None:  # a fully masked row's uniform weights pass nothing to its scores
-                        ds = tf.where(p.where, ds, tf.zeros_like(ds))
-                    if spec.style.startswith("explicit"):
+                    dv_b = tf.matmul(b.pd, do, transpose_a=True)
+                    dpd = tf.matmul(do, _upto(vt, b.reach), transpose_b=True)
+                    dp = dpd if spec.rate <= 0 else dpd * b.scaled_keep
+                    # Explicit styles zero the masked weights after the softmax: there ``soft`` is 0, so ``ds`` is
+                    # 0 whatever ``dp`` holds, and no where is needed on ``dp`` or ``ds``.
+                    dp = tf.cast(dp, b.soft.dtype)
+                    ds = b.soft * (dp - tf.reduce_sum(dp * b.soft, axis=-1, keepdims=True))
+                    if b.where is not None and not explicit:  # a fully masked row's uniform weights pass nothing
+                        ds = tf.where(b.where, ds, tf.constant(0, ds.dtype))
+                    if explicit:
                         ds = tf.cast(ds, q.dtype)
-                        dq_b = tf.matmul(ds, kt) * tf.constant(spec.scale, q.dtype)
+                        dq_b = tf.matmul(ds, _upto(kt, b.reach)) * tf.constant(spec.scale, q.dtype)
                     else:  # the scale is applied to the scores, after the cast
                         ds = tf.cast(ds * tf.constant(spec.scale, ds.dtype), q.dtype)
-                        dq_b = tf.matmul(ds, kt)
-                    dk_b = tf.matmul(ds, qs, transpose_a=True)
+                        dq_b = tf.matmul(ds, _upto(kt, b.reach))
+                    dk_b = _pad_keys(tf.matmul(ds, b.qs, transpose_a=True), b.reach, keys)
+                    dv_b = _pad_keys(dv_b, b.reach, keys)
                     dk = dk_b if dk is None else dk + dk_b
                     dv = dv_b if dv is None else dv + dv_b
                 dq_blocks.append(dq_b)
@@ -156,18 +158,21 @@ def _blocks(rows: int, size: int) -> list[tuple[int, int]]:
     return [(t0, min(rows, t0 + size)) for t0 in range(0, rows, size)]
 
 
-class _Weights:
-    """A block's softmax (``soft``, the softmax dtype), the positions attended (``where``) and the scaled keep
-    mask (``keep``), for its backward."""
+class _Block(SimpleNamespace):
+    """One query block's weights: ``qs`` (the query rows as the scores read them), ``soft`` (the softmax, in its
+    dtype), ``where`` (the positions attended, or None), ``scaled_keep`` (dropout's scaled keep mask, or None),
+    ``pd`` (the dropped-out weights in the values' dtype), ``kept`` (the boolean keep mask over every key, or None)
+    and ``reach`` (the keys the block's products read: all when None, else the first ``reach``)."""
 
-    def __init__(self, soft, where, keep):
-        self.soft, self.where, self.keep = soft, where, keep
 
-
-def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, keep=False, kept=None):
-    """Rows ``t0:t1`` (``qt``, ``kt``: ``[B, N, T|S, H]``): the query block as the scores read it, the softmax (a
-    ``_Weights`` when ``keep``), the dropped-out weights in ``v_dtype``, rounded as ``spec.style`` says, and the
-    boolean keep mask (None without dropout). ``kept``: the block's keep mask as drawn before (not drawn again)."""
+def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, kept=None) -> _Block:
+    """Rows ``t0:t1`` (``qt``, ``kt``: ``[B, N, T|S, H]``), rounded as ``spec.style`` says. ``kept``: the block's
+    keep mask as drawn before (not drawn again)."""
+    keys = kt.shape[2]
+    where = _attended(spec, mask, t0, t1, keys)
+    reach = _reach(spec, where, t1, keys)
+    if reach is not None:
+        kt, where = kt[:, :, :reach], where[..., :reach]
     if spec.style.startswith("explicit"):
         qs = qt[:, :, t0:t1] * tf.constant(spec.scale, qt.dtype)
         s = tf.matmul(qs, kt, transpose_b=True)
@@ -178,24 +183,50 @@ def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, keep=False, kep
         s = tf.matmul(qs, kt, transpose_b=True)
         s = tf.cast(s, tf.float64 if s.dtype == tf.float64 else tf.float32)
         s = s * tf.constant(spec.scale, s.dtype)
-    where = _attended(spec, mask, t0, t1, tf.shape(kt)[2])
     if where is not None:
         s = tf.where(where, s, _fill(spec.style, s.dtype))
     soft = tf.nn.softmax(s, axis=-1)
     del s
     if where is not None and spec.style.startswith("explicit"):
-        soft = tf.where(where, soft, tf.zeros_like(soft))
+        soft = tf.where(where, soft, tf.constant(0, soft.dtype))
     p = tf.cast(soft, v_dtype)
     scaled_keep = None
     if spec.rate > 0:
         if kept is None:
-            kept = _keep(spec.rate, seed, q_shape, tf.shape(kt)[2], t0, t1, p.dtype)
+            kept = _keep(spec.rate, seed, q_shape, keys, t0, t1, p.dtype)
         # stateless_dropout: x * (1 / (1 - rate)) * cast(draw >= rate)
-        scaled_keep = tf.constant(1.0 / (1.0 - spec.rate), p.dtype) * tf.cast(kept, p.dtype)
+        scaled_keep = tf.constant(1.0 / (1.0 - spec.rate), p.dtype) * tf.cast(_upto(kept, reach, axis=3), p.dtype)
         pd = p * scaled_keep
     else:
         pd = p
-    return qs, (_Weights(soft, where, scaled_keep) if keep else None), pd, kept
+    return _Block(qs=qs, soft=soft, where=where, scaled_keep=scaled_keep, pd=pd, kept=kept, reach=reach)
+
+
+def _reach(spec, where, t1, keys):
+    """How many keys the block's products need: up to the last one any of its rows attends to (a causal mask's
+    block reads ``t1`` keys), where the style zeroes masked weights (explicit: a masked weight is exactly 0 and
+    passes nothing either way); None (all keys) otherwise. Only the summation's length changes."""
+    if where is None or not spec.style.startswith("explicit"):
+        return None
+    if spec.causal and not spec.has_mask:
+        return None if t1 >= keys else t1
+    attended = tf.reduce_any(where, axis=[0, 1, 2])
+    last = tf.reduce_max(tf.where(attended, tf.range(1, keys + 1), 0))
+    return tf.maximum(last, 1)
+
+
+def _upto(t, reach, axis=2):
+    """The first ``reach`` entries of ``t`` along ``axis`` (all when ``reach`` is None)."""
+    if reach is None:
+        return t
+    return t[:, :, :reach] if axis == 2 else t[..., :reach]
+
+
+def _pad_keys(t, reach, keys: int):
+    """A ``[B, N, reach, H]`` key-side gradient as ``[B, N, keys, H]`` (zeros past ``reach``)."""
+    if reach is None:
+        return t
+    return tf.pad(t, [[0, 0], [0, 0], [0, keys - reach], [0, 0]])
 
 
 def _fill(style, dtype):
