@@ -50,12 +50,21 @@ def _padding_mask():
     return tf.constant(valid[:, None, :] & valid[:, :, None])
 
 
+def _causal_tensor_mask():
+    # a causal mask given as a tensor (as keras-hub's decoders pass it), every sequence's last 5 keys padding:
+    # each block's products stop at its last attended key, and the last block's rows past it are fully masked
+    valid = np.ones([B, T], bool)
+    valid[:, T - 5:] = False
+    return tf.constant(np.tril(np.ones([T, T], bool))[None] & valid[:, None, :])
+
+
 def _cases():
     """float32: every masking with and without dropout; float64: both of Keras's paths (the rest slow, for time)."""
     for dtype, tolerance in (("float32", 3e-6), ("float64", 1e-12)):
-        for masking in ("causal", "padding", "none"):
+        for masking in ("causal", "causal-tensor", "padding", "none"):
             for rate in (0.0, 0.2):
-                fast = dtype == "float32" or (masking, rate) in (("causal", 0.2), ("padding", 0.0))
+                fast = dtype == "float32" or (masking, rate) in (("causal", 0.2), ("padding", 0.0),
+                                                                 ("causal-tensor", 0.2))
                 yield pytest.param(dtype, tolerance, rate, masking, marks=() if fast else pytest.mark.slow,
                                    id=f"{masking}-{'dropout' if rate else 'no-dropout'}-{dtype}")
 
@@ -65,7 +74,7 @@ def test_a_step_equals_keras_multi_head_attention(monkeypatch, float32_after, dt
     monkeypatch.setattr(lean_attention_module, "QUERY_BLOCK", 13)  # 4 blocks, the last one short
     keras.config.set_floatx(dtype)
     x = tf.random.stateless_normal([B, T, D], seed=[1, 2], dtype=dtype)
-    mask = _padding_mask() if masking == "padding" else None
+    mask = {"padding": _padding_mask(), "causal-tensor": _causal_tensor_mask()}.get(masking)
     reference, lean = _mha(rate, dtype), _mha(rate, dtype)
     for a, b in zip(reference.weights, lean.weights):
         b.assign(a)
@@ -194,3 +203,15 @@ def test_under_mixed_precision_a_step_equals_keras_within_half_precision_roundin
     assert y.dtype == y_ref.dtype == tf.as_dtype(policy.split("_")[1])
     ref, got = _vector(g_ref), _vector(g)
     assert np.linalg.norm(got - ref) <= tolerance * np.linalg.norm(ref)
+
+
+def test_a_blocks_products_stop_at_the_last_key_any_of_its_rows_attends_to():
+    mask = _causal_tensor_mask()[:, tf.newaxis]  # [B, 1, T, T]
+    explicit = lean_attention_module.SimpleNamespace(style="explicit", causal=False, has_mask=True)
+    reach = [int(lean_attention_module._reach(explicit, mask[:, :, t0:t1], t1, T))
+             for t0, t1 in lean_attention_module._blocks(T, 13)]
+    assert reach == [13, 26, 39, T - 5]  # the last block: rows 39..47 attend to keys up to 42 only
+    fused = lean_attention_module.SimpleNamespace(style="fused", causal=False, has_mask=True)
+    assert lean_attention_module._reach(fused, mask[:, :, :13], 13, T) is None  # a fully masked row reads every key
+    causal = lean_attention_module.SimpleNamespace(style="fused", causal=True, has_mask=False)
+    assert [lean_attention_module._reach(causal, None, t1, T) for t1 in (13, T)] == [13, None]

@@ -203,13 +203,14 @@ def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, kept=None) -> _
 
 
 def _reach(spec, where, t1, keys):
-    """How many keys the block's products need: up to the last one any of its rows attends to (a causal mask's
-    block reads ``t1`` keys), where the style zeroes masked weights (explicit: a masked weight is exactly 0 and
-    passes nothing either way); None (all keys) otherwise. Only the summation's length changes."""
-    if where is None or not spec.style.startswith("explicit"):
-        return None
+    """How many keys the block's products need: ``t1`` under ``causal`` alone (every row attends to a key, so each
+    masked weight is exactly 0 in every style); with a mask, up to the last key any row attends to where the style
+    zeroes masked weights (explicit: a fully masked row passes nothing either way; the fused styles give such a
+    row uniform weights over every key, so they read all). None: all keys. Only the summation's length changes."""
     if spec.causal and not spec.has_mask:
         return None if t1 >= keys else t1
+    if where is None or not spec.style.startswith("explicit"):
+        return None
     attended = tf.reduce_any(where, axis=[0, 1, 2])
     last = tf.reduce_max(tf.where(attended, tf.range(1, keys + 1), 0))
     return tf.maximum(last, 1)
