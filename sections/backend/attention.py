@@ -112,8 +112,8 @@ def _lean(spec):
             explicit = spec.style.startswith("explicit")
             for i, (t0, t1) in enumerate(blocks):
                 with tf.control_dependencies(after):
-                    kept = _unpack(packed[i], keys) if packed else None
-                    b = _weights(spec, tf.shape(q), qt, kt, v.dtype, mask, seed, t0, t1, kept=kept)
+                    b = _weights(spec, tf.shape(q), qt, kt, v.dtype, mask, seed, t0, t1,
+                                 packed=packed[i] if packed else None)
                     do = dyt[:, :, t0:t1]
                     dv_b = tf.matmul(b.pd, do, transpose_a=True)
                     dpd = tf.matmul(do, _upto(vt, b.reach), transpose_b=True)
@@ -161,13 +161,13 @@ def _blocks(rows: int, size: int) -> list[tuple[int, int]]:
 class _Block(SimpleNamespace):
     """One query block's weights: ``qs`` (the query rows as the scores read them), ``soft`` (the softmax, in its
     dtype), ``where`` (the positions attended, or None), ``scaled_keep`` (dropout's scaled keep mask, or None),
-    ``pd`` (the dropped-out weights in the values' dtype), ``kept`` (the boolean keep mask over every key, or None)
+    ``pd`` (the dropped-out weights in the values' dtype), ``kept`` (the boolean keep mask of the keys read, or None)
     and ``reach`` (the keys the block's products read: all when None, else the first ``reach``)."""
 
 
-def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, kept=None) -> _Block:
-    """Rows ``t0:t1`` (``qt``, ``kt``: ``[B, N, T|S, H]``), rounded as ``spec.style`` says. ``kept``: the block's
-    keep mask as drawn before (not drawn again)."""
+def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, packed=None) -> _Block:
+    """Rows ``t0:t1`` (``qt``, ``kt``: ``[B, N, T|S, H]``), rounded as ``spec.style`` says. ``packed``: the block's
+    keep mask as the forward drew it (``_pack``ed), not drawn again."""
     keys = kt.shape[2]
     where = _attended(spec, mask, t0, t1, keys)
     reach = _reach(spec, where, t1, keys)
@@ -190,12 +190,14 @@ def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, kept=None) -> _
     if where is not None and spec.style.startswith("explicit"):
         soft = tf.where(where, soft, tf.constant(0, soft.dtype))
     p = tf.cast(soft, v_dtype)
-    scaled_keep = None
+    scaled_keep = kept = None
     if spec.rate > 0:
-        if kept is None:
-            kept = _keep(spec.rate, seed, q_shape, keys, t0, t1, p.dtype)
+        if packed is None:
+            kept = _upto(_keep(spec.rate, seed, q_shape, keys, t0, t1, p.dtype), reach, axis=3)
+        else:
+            kept = _unpack(packed, keys if reach is None else reach)
         # stateless_dropout: x * (1 / (1 - rate)) * cast(draw >= rate)
-        scaled_keep = tf.constant(1.0 / (1.0 - spec.rate), p.dtype) * tf.cast(_upto(kept, reach, axis=3), p.dtype)
+        scaled_keep = tf.constant(1.0 / (1.0 - spec.rate), p.dtype) * tf.cast(kept, p.dtype)
         pd = p * scaled_keep
     else:
         pd = p
@@ -211,8 +213,8 @@ def _reach(spec, where, t1, keys):
         return None if t1 >= keys else t1
     if where is None or not spec.style.startswith("explicit"):
         return None
-    attended = tf.reduce_any(where, axis=[0, 1, 2])
-    last = tf.reduce_max(tf.where(attended, tf.range(1, keys + 1), 0))
+    attended = tf.reduce_max(tf.reshape(tf.cast(where, tf.int32), [-1, keys]), axis=0)  # 4x reduce_any's speed
+    last = tf.reduce_max(attended * tf.range(1, keys + 1))
     return tf.maximum(last, 1)
 
 
@@ -261,15 +263,17 @@ def _keep(rate, seed, q_shape, keys, t0, t1, dtype):
     keys64 = tf.cast(keys, tf.int64)
     length = (t1 - t0) * keys64
     per_step = 2 if dtype == tf.float64 else 4  # one Philox step: four 32-bit words, two per float64 draw
+    # every (batch, head)'s counter and skip at once: the loop below only draws (few ops an iteration)
+    starts = (tf.range(tf.cast(batch * heads, tf.int64)) * tf.cast(rows, tf.int64) + t0) * keys64
+    counters, skips = _add(counter, starts // per_step), starts % per_step
 
-    def one(bn):
-        start = (tf.cast(bn, tf.int64) * tf.cast(rows, tf.int64) + t0) * keys64
-        group, skip = start // per_step, start % per_step
+    def one(counter_skip):
+        counter_bn, skip = counter_skip
         u = tf.raw_ops.StatelessRandomUniformV2(shape=tf.reshape(skip + length, [1]), key=key,
-                                                counter=_add(counter, group), alg=alg, dtype=dtype)
+                                                counter=counter_bn, alg=alg, dtype=dtype)
         return u[skip:]
 
-    draws = tf.map_fn(one, tf.range(batch * heads), fn_output_signature=tf.TensorSpec([None], dtype))
+    draws = tf.map_fn(one, (counters, skips), fn_output_signature=tf.TensorSpec([None], dtype))
     draws = tf.reshape(draws, [batch, heads, t1 - t0, keys])
     return draws >= tf.constant(rate, dtype)
 
@@ -278,29 +282,32 @@ _BITS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def _pack(kept):
-    """A boolean ``[..., S]`` mask as ``[..., ceil(S / 8)]`` uint8, eight positions a byte (1/32 of float32's)."""
+    """A boolean ``[..., S]`` mask as ``[..., ceil(S / 8)]`` uint8, eight positions a byte (1/32 of float32's);
+    ``S`` may be known only when run."""
     keys = kept.shape[-1]
-    if keys % 8:
-        kept = tf.pad(kept, [[0, 0]] * (kept.shape.rank - 1) + [[0, -keys % 8]])
-    shape = tf.concat([tf.shape(kept)[:-1], [-(-keys // 8), 8]], axis=0)
+    if keys is None or keys % 8:
+        pad = -tf.shape(kept)[-1] % 8
+        kept = tf.pad(kept, [[0, 0]] * (kept.shape.rank - 1) + [[0, pad]])
+    shape = tf.concat([tf.shape(kept)[:-1], [-1, 8]], axis=0)
     bits = tf.reshape(tf.cast(kept, tf.uint8), shape) * tf.constant(_BITS, tf.uint8)
     return tf.reduce_sum(bits, axis=-1)  # distinct powers of two: the sum is their bitwise or
 
 
-def _unpack(packed, keys: int):
-    """``_pack``'s inverse: the ``[..., keys]`` boolean mask."""
+def _unpack(packed, keys):
+    """``_pack``'s inverse: the ``[..., keys]`` boolean mask (``keys`` an int or a scalar tensor)."""
     bits = tf.bitwise.bitwise_and(packed[..., tf.newaxis], tf.constant(_BITS, tf.uint8)) > 0
-    shape = tf.concat([tf.shape(packed)[:-1], [packed.shape[-1] * 8]], axis=0)
+    shape = tf.concat([tf.shape(packed)[:-1], [-1]], axis=0)
     kept = tf.reshape(bits, shape)
-    return kept if keys % 8 == 0 else kept[..., :keys]
+    return kept if isinstance(keys, int) and keys % 8 == 0 else kept[..., :keys]
 
 
 def _add(counter, steps):
-    """Philox's 128-bit counter (two uint64 words, low first) advanced by ``steps``."""
+    """Philox's 128-bit counter (two uint64 words, low first) advanced by ``steps`` (a scalar: ``[2]``; a vector of
+    ``n``: ``[n, 2]``)."""
     steps = tf.cast(steps, tf.uint64)
     low = counter[0] + steps
     carry = tf.cast(low < steps, tf.uint64)
-    return tf.stack([low, counter[1] + carry])
+    return tf.stack([low, counter[1] + carry], axis=-1)
 
 
 @functools.cache
