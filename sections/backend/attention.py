@@ -12,8 +12,9 @@ weights tensor from the same seed (``tf.nn.experimental.stateless_dropout``: Ten
 skipped to the block's first element), so a step equals Keras's, dropout included. The forward keeps each
 block's keep mask for the backward packed one bit a weight (``B x N x T x S / 8`` bytes, 1/32 of one float32
 ``n x n`` tensor: 4 MiB for ``[2, 4, 2048, 2048]``) instead of drawing it again: the draw is the costliest part of
-the re-make on a CPU (about 0.1 s for that shape). Where the generator is not Philox (a TPU), or shapes are not known when tracing,
-the layer runs Keras's own computation.
+the re-make on a CPU (about 0.1 s for that shape). Where the generator is not Philox (a TPU), shapes are not known
+when tracing, or dropout runs under XLA (``jit_compile=True``: its draws are sized when run), the layer runs Keras's
+own computation; under XLA a block reads every key unless the causal flag says how many.
 
 Inside ``lean_scope`` (on with ``lean=True`` and ``"recompute"``) every ``keras.layers.MultiHeadAttention`` (and a
 subclass that keeps its ``_compute_attention``, such as keras-hub's ``CachedMultiHeadAttention`` in GPT-2, BERT
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from types import SimpleNamespace
 
 import keras
@@ -65,6 +67,10 @@ def attention(q, k, v, *, scale: float, mask=None, causal: bool = False, dropout
     """
     if style not in STYLES:
         raise ValueError(f"style={style!r}: must be one of {STYLES}")
+    xla = internals.in_xla_compile()
+    if xla and dropout > 0.0:
+        raise ValueError(f"dropout={dropout}: lean attention's dropout draws run-time-sized blocks, which XLA "
+                         f"(jit_compile=True) cannot compile; use dropout=0.0 there, or Keras's own attention")
     q, k, v = (tf.convert_to_tensor(t) for t in (q, k, v))
     args = [q, k, v]
     if mask is not None:
@@ -75,7 +81,7 @@ def attention(q, k, v, *, scale: float, mask=None, causal: bool = False, dropout
     if dropout > 0.0:
         args.append(tf.cast(seed, tf.int32))
     spec = SimpleNamespace(scale=float(scale), causal=bool(causal), rate=float(dropout), has_mask=mask is not None,
-                 style=style, rows=int(block or QUERY_BLOCK))
+                 style=style, rows=int(block or QUERY_BLOCK), static=xla)
     return _lean(spec)(*args)
 
 
@@ -211,8 +217,8 @@ def _reach(spec, where, t1, keys):
     row uniform weights over every key, so they read all). None: all keys. Only the summation's length changes."""
     if spec.causal and not spec.has_mask:
         return None if t1 >= keys else t1
-    if where is None or not spec.style.startswith("explicit"):
-        return None
+    if where is None or not spec.style.startswith("explicit") or getattr(spec, "static", False):
+        return None  # (under XLA a block's shape must be known when compiled)
     attended = tf.reduce_max(tf.reshape(tf.cast(where, tf.int32), [-1, keys]), axis=0)  # 4x reduce_any's speed
     last = tf.reduce_max(attended * tf.range(1, keys + 1))
     return tf.maximum(last, 1)
@@ -336,7 +342,7 @@ def mha_compute_attention(layer, original, query, key, value, attention_mask=Non
     rate = settings["rate"] if training else 0.0
     if settings["rate"] > 0 and training is None:
         return NotImplemented  # Keras's dropout would resolve it from the call context
-    if rate > 0 and (settings["seeds"] is None or not philox()):
+    if rate > 0 and (settings["seeds"] is None or not philox() or _xla_with_dropout()):
         return NotImplemented
     seed = draw_seed(settings["seeds"]) if rate > 0 else None
     # Keras runs ops.dot_product_attention without dropout, its own softmax-and-dropout path with it.
@@ -354,7 +360,7 @@ def gemma_compute_attention(layer, original, q, k, v, attention_mask, training=F
     if settings is None or layer.logit_soft_cap is not None or settings["fused"] or not _static(q, k, v):
         return NotImplemented
     rate = float(layer.dropout) if training else 0.0
-    if rate > 0 and not philox():
+    if rate > 0 and (not philox() or _xla_with_dropout()):
         return NotImplemented
     if layer.query_head_dim_normalize:
         scale = 1 / math.sqrt(layer.head_dim)
@@ -371,6 +377,22 @@ def gemma_compute_attention(layer, original, q, k, v, attention_mask, training=F
     return attention(q, k, v, scale=scale, mask=attention_mask, dropout=rate, seed=seed, style="explicit_float32")
 
 
+_xla_warned = []
+
+
+def _xla_with_dropout() -> bool:
+    """True (with one warning a process) where an attention with dropout is traced for XLA: it runs Keras's own."""
+    if not internals.in_xla_compile():
+        return False
+    if not _xla_warned:
+        _xla_warned.append(True)
+        warnings.warn("lean attention: attention dropout under XLA (jit_compile=True) runs Keras's own attention, "
+                      "which holds its batch x heads x n x n tensors; compile with jit_compile=False to keep them "
+                      "out (lean attention's dropout draws are sized when run, which XLA cannot compile)",
+                      stacklevel=2)
+    return True
+
+
 def _static(*tensors) -> bool:
     return all(isinstance(t, tf.Tensor) and t.shape.rank == 4 and t.shape[1] is not None and t.shape[-1] is not None
                for t in tensors)
@@ -383,7 +405,7 @@ def lean_attention(q, k, v, *, scale: float, causal: bool = False, mask=None, dr
     layer would draw on the weights). None where shapes are not known while tracing (run your own then)."""
     if not _static(q, k, v):
         return None
-    if dropout > 0 and (seed_generator is None or not philox()):
+    if dropout > 0 and (seed_generator is None or not philox() or _xla_with_dropout()):
         return None
     seed = draw_seed(seed_generator) if dropout > 0 else None
     return attention(q, k, v, scale=scale, causal=causal, mask=mask, dropout=dropout, seed=seed, style=style)

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 __all__ = ["SUPPORTED", "check_versions", "batch_norm_axes", "autocast_dtype", "autocast", "attention_settings",
            "gemma_attention_class", "gemma_settings", "is_functional", "functional_graph", "nodes_by_depth",
-           "outputs_struct", "unscale_loss_for_distribution", "train_writer", "flatten_layers"]
+           "outputs_struct", "unscale_loss_for_distribution", "train_writer", "flatten_layers", "in_xla_compile"]
 
 #: ``{package: (lowest, first unsupported)}``: the versions ``pyproject.toml`` allows; the suite runs the newest
 #: and the exactness core on the lowest (``tests/test_keras_versions.py``, slow).
@@ -193,6 +193,14 @@ def identity_n(inputs) -> list:
     from tensorflow.python.ops import array_ops
 
     return array_ops.identity_n(inputs)
+
+
+def in_xla_compile() -> bool:
+    """Whether the graph being traced compiles with XLA (``tf.function(jit_compile=True)``, Keras's
+    ``jit_compile``), where every shape must be known when compiled (``control_flow_util``)."""
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
 def type_spec_class(value) -> type:
