@@ -217,20 +217,21 @@ def test_a_blocks_products_stop_at_the_last_key_any_of_its_rows_attends_to():
     assert [lean_attention_module._reach(causal, None, t1, T) for t1 in (13, T)] == [13, None]
 
 
-def test_under_xla_dropout_runs_keras_own_and_a_masks_blocks_read_every_key(monkeypatch):
+def test_under_xla_a_step_with_dropout_equals_keras_and_a_masks_blocks_read_every_key(monkeypatch):
     monkeypatch.setattr(lean_attention_module, "QUERY_BLOCK", 13)
     x = tf.random.stateless_normal([B, T, D], seed=[1, 2])
     mask = _causal_tensor_mask()
-    reference, lean = _mha(0.2, None), _mha(0.2, None)
-    for a, b in zip(reference.weights, lean.weights):
-        b.assign(a)
-    before = lean_attention_module.attention_traces()
-    y_ref, g_ref = _step(reference, x, False, mask, False, jit=True)
-    monkeypatch.setattr(lean_attention_module, "_xla_warned", [])
-    with pytest.warns(UserWarning, match="dropout under XLA .* runs Keras's own attention"):
-        y, g = _step(lean, x, True, mask, False, jit=True)  # failed to compile: draws sized when run
-    assert lean_attention_module.attention_traces() == before  # Keras's own attention ran
-    assert np.array_equal(y.numpy(), y_ref.numpy())
+    for masking, causal in ((mask, False), (None, True)):
+        reference, lean = _mha(0.2, None), _mha(0.2, None)
+        for a, b in zip(reference.weights, lean.weights):
+            b.assign(a)
+        before = lean_attention_module.attention_traces()
+        y_ref, g_ref = _step(reference, x, False, masking, causal, jit=True)  # XLA's own Philox stream
+        y, g = _step(lean, x, True, masking, causal, jit=True)  # draws sized when traced: XLA compiles them
+        assert lean_attention_module.attention_traces()["backward"] == before["backward"] + 1
+        ref, got = _vector(g_ref), _vector(g)
+        assert np.linalg.norm(got - ref) <= 3e-6 * np.linalg.norm(ref)
+        assert np.max(np.abs(y.numpy() - y_ref.numpy())) <= 3e-6 * np.max(np.abs(y_ref.numpy()))
     q, k, v = (tf.random.stateless_normal([B, T, N, D // N], seed=[i, 3]) for i in range(3))
 
     def lean_attention():
@@ -239,6 +240,3 @@ def test_under_xla_dropout_runs_keras_own_and_a_masks_blocks_read_every_key(monk
     eager = lean_attention()  # its blocks stop at their reach
     compiled = tf.function(lean_attention, jit_compile=True)()  # every key: shapes known when compiled
     assert np.max(np.abs(compiled.numpy() - eager.numpy())) <= 3e-6 * np.max(np.abs(eager.numpy()))
-    with pytest.raises(ValueError, match="dropout=0.1: .*XLA"):
-        tf.function(lambda: lean_attention_module.attention(q, k, v, scale=0.5, dropout=0.1, seed=[1, 2]),
-                    jit_compile=True)()

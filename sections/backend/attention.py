@@ -12,9 +12,9 @@ weights tensor from the same seed (``tf.nn.experimental.stateless_dropout``: Ten
 skipped to the block's first element), so a step equals Keras's, dropout included. The forward keeps each
 block's keep mask for the backward packed one bit a weight (``B x N x T x S / 8`` bytes, 1/32 of one float32
 ``n x n`` tensor: 4 MiB for ``[2, 4, 2048, 2048]``) instead of drawing it again: the draw is the costliest part of
-the re-make on a CPU (about 0.1 s for that shape). Where the generator is not Philox (a TPU), shapes are not known
-when tracing, or dropout runs under XLA (``jit_compile=True``: its draws are sized when run), the layer runs Keras's
-own computation; under XLA a block reads every key unless the causal flag says how many.
+the re-make on a CPU (about 0.1 s for that shape). Where the generator is not Philox (a TPU), or shapes are not known
+when tracing, the layer runs Keras's own computation. Under XLA (``jit_compile=True``) every block's shape is known
+when compiled (its draws included), so a block reads every key unless the causal flag says how many.
 
 Inside ``lean_scope`` (on with ``lean=True`` and ``"recompute"``) every ``keras.layers.MultiHeadAttention`` (and a
 subclass that keeps its ``_compute_attention``, such as keras-hub's ``CachedMultiHeadAttention`` in GPT-2, BERT
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from types import SimpleNamespace
 
 import keras
@@ -68,9 +67,6 @@ def attention(q, k, v, *, scale: float, mask=None, causal: bool = False, dropout
     if style not in STYLES:
         raise ValueError(f"style={style!r}: must be one of {STYLES}")
     xla = internals.in_xla_compile()
-    if xla and dropout > 0.0:
-        raise ValueError(f"dropout={dropout}: lean attention's dropout draws run-time-sized blocks, which XLA "
-                         f"(jit_compile=True) cannot compile; use dropout=0.0 there, or Keras's own attention")
     q, k, v = (tf.convert_to_tensor(t) for t in (q, k, v))
     args = [q, k, v]
     if mask is not None:
@@ -259,27 +255,26 @@ def _attended(spec, mask, t0, t1, keys):
     return where
 
 
-def _keep(rate, seed, q_shape, keys, t0, t1, dtype):
+def _keep(rate, seed, q_shape, keys: int, t0, t1, dtype):
     """Rows ``t0:t1`` of ``stateless_dropout``'s boolean keep mask for the whole ``[B, N, T, S]`` weights (uniform
     draws in ``dtype``): each (batch, head) row range is a contiguous run of the full tensor's uniform draws, made by
     Philox skipped to it."""
     key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
     alg = tf.raw_ops.StatelessRandomGetAlg()
     batch, rows, heads = q_shape[0], q_shape[1], q_shape[2]
-    keys64 = tf.cast(keys, tf.int64)
-    length = (t1 - t0) * keys64
+    size = (t1 - t0) * keys  # Python ints: every draw's shape is known when traced, so XLA compiles it
     per_step = 2 if dtype == tf.float64 else 4  # one Philox step: four 32-bit words, two per float64 draw
     # every (batch, head)'s counter and skip at once: the loop below only draws (few ops an iteration)
-    starts = (tf.range(tf.cast(batch * heads, tf.int64)) * tf.cast(rows, tf.int64) + t0) * keys64
+    starts = (tf.range(tf.cast(batch * heads, tf.int64)) * tf.cast(rows, tf.int64) + t0) * keys
     counters, skips = _add(counter, starts // per_step), starts % per_step
 
     def one(counter_skip):
-        counter_bn, skip = counter_skip
-        u = tf.raw_ops.StatelessRandomUniformV2(shape=tf.reshape(skip + length, [1]), key=key,
-                                                counter=counter_bn, alg=alg, dtype=dtype)
-        return u[skip:]
+        counter_bn, skip = counter_skip  # the run starts `skip` words into its counter's first Philox step
+        u = tf.raw_ops.StatelessRandomUniformV2(shape=[size + per_step - 1], key=key, counter=counter_bn,
+                                                alg=alg, dtype=dtype)
+        return tf.slice(u, tf.reshape(skip, [1]), [size])
 
-    draws = tf.map_fn(one, (counters, skips), fn_output_signature=tf.TensorSpec([None], dtype))
+    draws = tf.map_fn(one, (counters, skips), fn_output_signature=tf.TensorSpec([size], dtype))
     draws = tf.reshape(draws, [batch, heads, t1 - t0, keys])
     return draws >= tf.constant(rate, dtype)
 
@@ -342,7 +337,7 @@ def mha_compute_attention(layer, original, query, key, value, attention_mask=Non
     rate = settings["rate"] if training else 0.0
     if settings["rate"] > 0 and training is None:
         return NotImplemented  # Keras's dropout would resolve it from the call context
-    if rate > 0 and (settings["seeds"] is None or not philox() or _xla_with_dropout()):
+    if rate > 0 and (settings["seeds"] is None or not philox()):
         return NotImplemented
     seed = draw_seed(settings["seeds"]) if rate > 0 else None
     # Keras runs ops.dot_product_attention without dropout, its own softmax-and-dropout path with it.
@@ -360,7 +355,7 @@ def gemma_compute_attention(layer, original, q, k, v, attention_mask, training=F
     if settings is None or layer.logit_soft_cap is not None or settings["fused"] or not _static(q, k, v):
         return NotImplemented
     rate = float(layer.dropout) if training else 0.0
-    if rate > 0 and (not philox() or _xla_with_dropout()):
+    if rate > 0 and (not philox()):
         return NotImplemented
     if layer.query_head_dim_normalize:
         scale = 1 / math.sqrt(layer.head_dim)
@@ -377,22 +372,6 @@ def gemma_compute_attention(layer, original, q, k, v, attention_mask, training=F
     return attention(q, k, v, scale=scale, mask=attention_mask, dropout=rate, seed=seed, style="explicit_float32")
 
 
-_xla_warned = []
-
-
-def _xla_with_dropout() -> bool:
-    """True (with one warning a process) where an attention with dropout is traced for XLA: it runs Keras's own."""
-    if not internals.in_xla_compile():
-        return False
-    if not _xla_warned:
-        _xla_warned.append(True)
-        warnings.warn("lean attention: attention dropout under XLA (jit_compile=True) runs Keras's own attention, "
-                      "which holds its batch x heads x n x n tensors; compile with jit_compile=False to keep them "
-                      "out (lean attention's dropout draws are sized when run, which XLA cannot compile)",
-                      stacklevel=2)
-    return True
-
-
 def _static(*tensors) -> bool:
     return all(isinstance(t, tf.Tensor) and t.shape.rank == 4 and t.shape[1] is not None and t.shape[-1] is not None
                for t in tensors)
@@ -405,7 +384,7 @@ def lean_attention(q, k, v, *, scale: float, causal: bool = False, mask=None, dr
     layer would draw on the weights). None where shapes are not known while tracing (run your own then)."""
     if not _static(q, k, v):
         return None
-    if dropout > 0 and (seed_generator is None or not philox() or _xla_with_dropout()):
+    if dropout > 0 and (seed_generator is None or not philox()):
         return None
     seed = draw_seed(seed_generator) if dropout > 0 else None
     return attention(q, k, v, scale=scale, causal=causal, mask=mask, dropout=dropout, seed=seed, style=style)
