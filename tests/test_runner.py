@@ -338,10 +338,11 @@ def test_a_signal_before_training_is_one_line(sig, code, name, tmp_path):
     cmd = [sys.executable, "-m", "runner", *TINY, f"hydra.run.dir={out}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        # run.lock is taken inside the job's signal handling and before TensorFlow loads (seconds before the run
+        # folder is announced): a signal sent as it appears lands while the job starts up, however loaded the CPU.
         deadline = time.monotonic() + 60
-        while not (out / "runner.log").exists() and time.monotonic() < deadline:  # the job has started
-            time.sleep(0.05)
-        time.sleep(0.5)
+        while not (out / "run.lock").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
         proc.send_signal(sig)
         stdout, err = proc.communicate(timeout=60)
     finally:
