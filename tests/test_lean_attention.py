@@ -207,13 +207,13 @@ def test_under_mixed_precision_a_step_equals_keras_within_half_precision_roundin
 
 def test_a_blocks_products_stop_at_the_last_key_any_of_its_rows_attends_to():
     mask = _causal_tensor_mask()[:, tf.newaxis]  # [B, 1, T, T]
-    explicit = lean_attention_module.SimpleNamespace(style="explicit", causal=False, has_mask=True)
+    explicit = lean_attention_module.SimpleNamespace(style="explicit", causal=False, has_mask=True, static=False)
     reach = [int(lean_attention_module._reach(explicit, mask[:, :, t0:t1], t1, T))
              for t0, t1 in lean_attention_module._blocks(T, 13)]
     assert reach == [13, 26, 39, T - 5]  # the last block: rows 39..47 attend to keys up to 42 only
-    fused = lean_attention_module.SimpleNamespace(style="fused", causal=False, has_mask=True)
+    fused = lean_attention_module.SimpleNamespace(style="fused", causal=False, has_mask=True, static=False)
     assert lean_attention_module._reach(fused, mask[:, :, :13], 13, T) is None  # a fully masked row reads every key
-    causal = lean_attention_module.SimpleNamespace(style="fused", causal=True, has_mask=False)
+    causal = lean_attention_module.SimpleNamespace(style="fused", causal=True, has_mask=False, static=False)
     assert [lean_attention_module._reach(causal, None, t1, T) for t1 in (13, T)] == [13, None]
 
 

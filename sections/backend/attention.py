@@ -128,10 +128,10 @@ def _lean(spec):
                         ds = tf.where(b.where, ds, tf.constant(0, ds.dtype))
                     if explicit:
                         ds = tf.cast(ds, q.dtype)
-                        dq_b = tf.matmul(ds, _upto(kt, b.reach)) * tf.constant(spec.scale, q.dtype)
+                        dq_b = tf.matmul(ds, b.ks) * tf.constant(spec.scale, q.dtype)
                     else:  # the scale is applied to the scores, after the cast
                         ds = tf.cast(ds * tf.constant(spec.scale, ds.dtype), q.dtype)
-                        dq_b = tf.matmul(ds, _upto(kt, b.reach))
+                        dq_b = tf.matmul(ds, b.ks)
                     dk_b = _pad_keys(tf.matmul(ds, b.qs, transpose_a=True), b.reach, keys)
                     dv_b = _pad_keys(dv_b, b.reach, keys)
                     dk = dk_b if dk is None else dk + dk_b
@@ -161,10 +161,11 @@ def _blocks(rows: int, size: int) -> list[tuple[int, int]]:
 
 
 class _Block(SimpleNamespace):
-    """One query block's weights: ``qs`` (the query rows as the scores read them), ``soft`` (the softmax, in its
-    dtype), ``where`` (the positions attended, or None), ``scaled_keep`` (dropout's scaled keep mask, or None),
-    ``pd`` (the dropped-out weights in the values' dtype), ``kept`` (the boolean keep mask of the keys read, or None)
-    and ``reach`` (the keys the block's products read: all when None, else the first ``reach``)."""
+    """One query block's weights: ``qs`` (the query rows as the scores read them), ``ks`` (the keys read),
+    ``soft`` (the softmax, in its dtype), ``where`` (the positions attended, or None), ``scaled_keep`` (dropout's
+    scaled keep mask, or None), ``pd`` (the dropped-out weights in the values' dtype), ``kept`` (the boolean keep
+    mask of the keys read, or None) and ``reach`` (the keys the block's products read: all when None, else the
+    first ``reach``)."""
 
 
 def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, packed=None) -> _Block:
@@ -203,7 +204,7 @@ def _weights(spec, q_shape, qt, kt, v_dtype, mask, seed, t0, t1, packed=None) ->
         pd = p * scaled_keep
     else:
         pd = p
-    return _Block(qs=qs, soft=soft, where=where, scaled_keep=scaled_keep, pd=pd, kept=kept, reach=reach)
+    return _Block(qs=qs, ks=kt, soft=soft, where=where, scaled_keep=scaled_keep, pd=pd, kept=kept, reach=reach)
 
 
 def _reach(spec, where, t1, keys):
@@ -213,7 +214,7 @@ def _reach(spec, where, t1, keys):
     row uniform weights over every key, so they read all). None: all keys. Only the summation's length changes."""
     if spec.causal and not spec.has_mask:
         return None if t1 >= keys else t1
-    if where is None or not spec.style.startswith("explicit") or getattr(spec, "static", False):
+    if where is None or not spec.style.startswith("explicit") or spec.static:
         return None  # (under XLA a block's shape must be known when compiled)
     attended = tf.reduce_max(tf.reshape(tf.cast(where, tf.int32), [-1, keys]), axis=0)  # 4x reduce_any's speed
     last = tf.reduce_max(attended * tf.range(1, keys + 1))
