@@ -112,12 +112,14 @@ class Calibrator:
     the corrections made, in words."""
 
     def __init__(self, profiles: list, section_probe: SectionProbe, costs: PlanCosts, budget: int, budget_source: str,
-                 lean, trials: Trials):
+                 lean, trials: Trials, resident: int = 0):
         self.profiles, self.section_probe, self.costs, self.lean, self.trials = (profiles, section_probe, costs,
                                                                                  lean, trials)
         self.budget, self.budget_source = budget, budget_source
         self.replans: list[str] = []
-        self.fixed_extra = 0  # bytes a dry step measured beside the computed base (what the model leaves out)
+        # Bytes a dry step measured beside the computed base (what the model leaves out); before the first, what
+        # the device held beside the base when planning began (``resident``).
+        self.fixed_extra = resident
         self.activation_scale = 1.0  # the planner's activation costs times this: corrected by measured steps
         self.dry_spread = 0  # the most a dry step's repeated runs differed (at least DRY_NOISE of its peak)
         self.measured_nothing = False  # a dry step read 0 bytes: nothing it allocated was counted

@@ -188,11 +188,15 @@ class Engine(Trainer):
         real = self.borders.real_batch
         no_room = (f"memory_budget={rules.human_bytes(self.memory_budget)} ({self.budget_source}): the device's "
                    f"memory ({self.device_memory.describe()})")
+        costs = PlanCosts.of(self.network, self.optimizer, self.borders, self.apply_reason is None)
+        # What the device holds beside the model, its optimizer and the batch (an input pipeline's buffers, where
+        # they share the device): every step's peak includes it, so the first plan does too (dry steps correct it).
+        resident = max(0, self.meter.current() - costs.base_bytes)
         small, profiles = profile(self.network, batch, self.request.probe_batch or real, real, self.meter, self.lean,
                                   no_room)
         probe = SectionProbe(self.network, small, real, self.meter)
-        costs = PlanCosts.of(self.network, self.optimizer, self.borders, self.apply_reason is None)
-        self.calibrator = Calibrator(profiles, probe, costs, self.memory_budget, self.budget_source, self.lean, self)
+        self.calibrator = Calibrator(profiles, probe, costs, self.memory_budget, self.budget_source, self.lean, self,
+                                     resident=resident)
         return self.calibrator.plan.schedule
 
     def build(self, batch) -> None:
