@@ -242,6 +242,11 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
+def human_seconds(seconds: float) -> str:
+    """``4.2 s``, ``12.5 min``."""
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
 def _did_you_mean(word: str, options: Sequence[str]) -> str:
     close = difflib.get_close_matches(word, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -599,6 +599,19 @@ def test_the_first_plan_counts_what_the_device_holds_beside_the_model(monkeypatc
     del held
 
 
+def test_planning_says_where_its_time_went(caplog):
+    """Planning a large model under a tight device takes minutes (ResNet50 at batch 240 on 2 GiB): each dry step
+    is logged as it ends, and a summary names the block probe, section probes and dry steps."""
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
+    with caplog.at_level("INFO", logger="sections"):
+        engine.build(make_batch(n=8, size=8, classes=10))
+    summary = [r.message for r in caplog.records if r.message.startswith("planned in ")]
+    probes = len(engine.section_probe.measured)
+    assert len(summary) == 1 and f"{probes} section probes" in summary[0] and "dry steps" in summary[0], summary
+    assert any(r.message.startswith("a dry step of ") and " measured " in r.message for r in caplog.records)
+    assert engine.planning_seconds > engine.section_probe.seconds > 0
+
+
 @pytest.mark.slow  # 20 s; test_the_advised_budget_fits_and_measured_steps_stay_within_it[1.0] is fast
 def test_a_plan_with_cuts_stays_within_its_budget_in_measured_steps():
     """A budget halfway between the smallest that fits (the planner's advice) and one section's predicted peak:

@@ -238,6 +238,8 @@ def describe_setup(engine, batch: int) -> dict:
         info.update(memory_budget_bytes=engine.plan.budget, predicted_peak_bytes=engine.plan.predicted_peak,
                     planner_margin=engine.plan.margin, planner_measured_sections=engine.plan.measured_sections,
                     planner_extra_bytes=engine.plan.extra_bytes)
+        if getattr(engine, "planning_seconds", None) is not None:
+            info["planning_seconds"] = engine.planning_seconds
     return info
 
 

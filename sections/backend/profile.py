@@ -101,6 +101,7 @@ class SectionProbe:
         self._state = [(v, tf.identity(v.value)) for v in network.non_trainable_variables]
         self.measured: dict = {}   # (start, stop) -> activation bytes at the real batch (upstream gradient excluded)
         self.spread: dict = {}     # (start, stop) -> largest - smallest over the runs, bytes at the real batch
+        self.seconds = 0.0         # spent measuring (tracing each section, running it)
 
     def border(self, i: int):
         j = max(k for k in self._borders if k <= i)
@@ -119,7 +120,9 @@ class SectionProbe:
 
     def __call__(self, start: int, stop: int) -> int:
         if (start, stop) not in self.measured:
+            began = time.perf_counter()
             self._measure(start, stop)
+            self.seconds += time.perf_counter() - began
         return self.measured[(start, stop)]
 
     def _measure(self, start: int, stop: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -124,6 +125,8 @@ class Calibrator:
         self.dry_spread = 0  # the most a dry step's repeated runs differed (at least DRY_NOISE of its peak)
         self.measured_nothing = False  # a dry step read 0 bytes: nothing it allocated was counted
         self._plan_kept = False
+        self.seconds = {"block probe": 0.0, "dry steps": 0.0}  # time spent planning (section probes: the probe's)
+        self.dry_steps = 0
         self.refusal: NoPlanFits | None = None
         try:
             self.plan = self.make_plan()
@@ -222,14 +225,30 @@ class Calibrator:
         """The current plan's dry step: its peak, seconds and spread (``plan_spread``). Where the device has no
         memory for it, it reads as at least what was in use plus the failing request, and over the budget (a
         fragmented heap fails below its limit)."""
+        began = time.perf_counter()
         dry = self.trials.dry_step(batch)
+        self.seconds["dry steps"] += time.perf_counter() - began
+        self.dry_steps += 1
         if dry.ran_out:
             failed = max(dry.peak, self.budget + 1)
             log.info(f"a dry step of {_sections(self.plan)} ran out of device memory (at least "
                      f"{rules.human_bytes(failed)}): it does not fit")
             return failed, math.inf, 0
         self.dry_spread = max(self.dry_spread, dry.spread)
+        log.info(f"a dry step of {_sections(self.plan)} measured {rules.human_bytes(dry.peak)} in {dry.seconds:.2f} s "
+                 f"(budget {rules.human_bytes(self.budget)})")
         return dry.peak, dry.seconds, self.plan_spread(self.plan, dry.spread)
+
+    def planning_seconds(self) -> float:
+        """Seconds spent planning: the block probe, section probes and dry steps (re-plans in training included)."""
+        return sum(self.seconds.values()) + self.section_probe.seconds
+
+    def planning_summary(self) -> str:
+        """Where planning's time went, in words."""
+        probe = self.section_probe
+        return (f"planned in {rules.human_seconds(self.planning_seconds())}: block probe {rules.human_seconds(self.seconds['block probe'])}, "
+                f"{len(probe.measured)} section probes {rules.human_seconds(probe.seconds)}, {self.dry_steps} dry "
+                f"steps {rules.human_seconds(self.seconds['dry steps'])}")
 
     def plan_spread(self, plan: Plan, dry_spread: int) -> int:
         """What a plan's own measurements varied by: its dry step's two runs, and the probe's repeated runs of

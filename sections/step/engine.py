@@ -6,6 +6,8 @@ step of the compiled program, its memory readings, the update)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -22,6 +24,8 @@ from .calibrate import MAX_REPLANS, BudgetExceededError, Calibrator, PlanCosts, 
 from .compile import Compiled, ReplayMismatchError, compile_schedule
 from .executor import DryStep, Executor, WeightPenalty, host_copy, write_back
 from .update import why_at_end
+
+log = logging.getLogger("sections")
 
 __all__ = ["Engine", "ReplayMismatchError", "BudgetExceededError", "OutOfMemory", "WeightPenalty"]
 
@@ -160,6 +164,11 @@ class Engine(Trainer):
         return self.calibrator.fixed_extra if self.calibrator is not None else 0
 
     @property
+    def planning_seconds(self) -> float | None:
+        """Seconds ``sections="auto"`` spent planning (probes and dry steps), else None."""
+        return self.calibrator.planning_seconds() if self.calibrator is not None else None
+
+    @property
     def profiles(self):
         return self.calibrator.profiles if self.calibrator is not None else None
 
@@ -192,11 +201,14 @@ class Engine(Trainer):
         # What the device holds beside the model, its optimizer and the batch (an input pipeline's buffers, where
         # they share the device): every step's peak includes it, so the first plan does too (dry steps correct it).
         resident = max(0, self.meter.current() - costs.base_bytes)
+        began = time.perf_counter()
         small, profiles = profile(self.network, batch, self.request.probe_batch or real, real, self.meter, self.lean,
                                   no_room)
+        profiled = time.perf_counter() - began
         probe = SectionProbe(self.network, small, real, self.meter)
         self.calibrator = Calibrator(profiles, probe, costs, self.memory_budget, self.budget_source, self.lean, self,
                                      resident=resident)
+        self.calibrator.seconds["block probe"] = profiled
         return self.calibrator.plan.schedule
 
     def build(self, batch) -> None:
@@ -211,6 +223,7 @@ class Engine(Trainer):
             calibrator.calibrate(self.replicas.split(dict(_as_tensors(self.network, batch))))
             self.below_resolution = self.below_resolution or calibrator.measured_nothing
         calibrator.section_probe.release()  # planning is done (also before each dry step): a re-plan re-computes
+        log.info(calibrator.planning_summary())
         if calibrator.refusal is not None:
             self._built = False
             raise calibrator.refusal
