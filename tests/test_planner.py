@@ -240,7 +240,8 @@ def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypat
     and every one's dry step fits the budget. The choice among them is the dry steps' measured time, not the
     re-run time the model predicts: with the first (deepest) plan's dry step timed fastest, it is restored and
     runs. Timed within ``TIME_NOISE`` of each other, the plan re-running fewest forwards runs. (The plans are
-    scripted, so the premise holds in every process; the dry steps' peaks are real.)"""
+    scripted, so the premise holds in every process; each dry step reads just below its plan's prediction, so
+    the model has room to plan again.)"""
     from sections.schedule.policies import Recompute
     from sections.schedule.program import Schedule
     from sections.step import calibrate
@@ -261,10 +262,11 @@ def test_of_the_plans_that_fit_the_one_whose_dry_step_ran_fastest_runs(monkeypat
     dry_runs = []
     measure_dry = Engine.dry_step
 
-    def timed(self, b):  # the real peak; each later plan's time step_seconds longer than the one before
+    def timed(self, b):  # below the prediction; each later plan's time step_seconds longer than the one before
         dry = measure_dry(self, b)
         dry_runs.append(self.schedule)
-        return replace(dry, seconds=1.0 + step_seconds * (len(dry_runs) - 1))
+        return replace(dry, seconds=1.0 + step_seconds * (len(dry_runs) - 1),
+                       peak=max(1, self.plan.predicted_peak - 2**10))
 
     monkeypatch.setattr(Engine, "dry_step", timed)
     engine = Engine(conv_stack(depth=8, filters=16), keras.optimizers.SGD(0.1), sections="auto",
@@ -597,6 +599,37 @@ def test_the_first_plan_counts_what_the_device_holds_beside_the_model(monkeypatc
     engine.build(make_batch(n=8, size=8, classes=10))
     assert seen and seen[0] >= 15 * MiB, seen  # the 16 MiB (the base counts a few KiB the allocator rounds)
     del held
+
+
+def test_a_plan_that_fits_and_measured_no_less_than_predicted_is_not_planned_again(monkeypatch):
+    """Planning again on a larger fixed cost can only find plans with less room, predicted slower: the dry steps
+    stop at the plan that fits, without probing new sections for another."""
+    from sections.schedule.policies import Recompute
+    from sections.schedule.program import Schedule
+    from sections.step import calibrate
+
+    two = Schedule((2,), (Recompute(), Recompute()))  # re-runs its first section
+    real_plan = calibrate.Calibrator.make_plan
+    made = []
+
+    def scripted(self, scale=1.0, margin=None):
+        made.append(1)
+        return replace(real_plan(self, scale, margin), schedule=two, forward_runs=tuple(count_forward_runs(two)))
+
+    monkeypatch.setattr(calibrate.Calibrator, "make_plan", scripted)
+    monkeypatch.setattr(calibrate.Calibrator, "try_bolder", lambda self, batch, runs: None)
+    monkeypatch.setattr(calibrate.Calibrator, "try_plain", lambda self, batch, chosen, runs: False)
+    dry_runs = []
+    measure_dry = Engine.dry_step
+
+    def over_prediction(self, b):
+        dry_runs.append(self.schedule)
+        return replace(measure_dry(self, b), peak=self.plan.predicted_peak + 2**10)
+
+    monkeypatch.setattr(Engine, "dry_step", over_prediction)
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
+    engine.build(make_batch(n=8, size=8, classes=10))
+    assert engine.schedule == two and len(dry_runs) == 1 and len(made) == 1, (dry_runs, made)
 
 
 def test_planning_says_where_its_time_went(caplog):

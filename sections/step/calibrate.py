@@ -152,8 +152,8 @@ class Calibrator:
         probe sees (the executor's buffers, kernel scratch, tensors the Python loop still references) and can
         hold less (sections measured alone keep more than they do inside a step). The gap between a dry step and
         its prediction joins the fixed cost (either way) and the schedule is planned again: a plan predicted too
-        high makes room for a faster one, too low for a smaller one; each new schedule is dry-run too (up to
-        ``DRY_STEPS``), and then the plan the model predicts fastest under the whole budget, without its safety
+        high makes room for a faster one, too low for a smaller one (unless the plan fits: less room finds no faster
+        plan); each new schedule is dry-run too (up to ``DRY_STEPS``), and then the plan the model predicts fastest under the whole budget, without its safety
         margin (``try_bolder``). A plan fits when its dry step plus the run-to-run spread is within the budget
         and, unless ops run in one order (``fits``), the dry step within ``1 - margin / 2`` of it; of those, the
         one whose dry step ran fastest (timed, not predicted: the planner's re-run time model ranks close plans
@@ -170,6 +170,10 @@ class Calibrator:
             self.fixed_extra = measured - (self.plan.predicted_peak - self.plan.extra_bytes)
             runs.append(DryRun(self.plan, measured, self.fixed_extra, self.trials.compiled, seconds, spread))
             fitting = [run for run in runs if self.fits(run.peak, run.spread)]
+            if fitting and fitting[-1] is runs[-1] and self.fixed_extra >= self.plan.extra_bytes:
+                # It fits, and its fixed cost came out no smaller: planning again (probing new sections, minutes on
+                # a large model) can only find plans with less room, predicted slower than this one.
+                break
             try:
                 plan, refusal = self.make_plan(self.activation_scale), None
             except NoPlanFits as err:
