@@ -102,6 +102,7 @@ class SectionProbe:
         self.measured: dict = {}   # (start, stop) -> activation bytes at the real batch (upstream gradient excluded)
         self.spread: dict = {}     # (start, stop) -> largest - smallest over the runs, bytes at the real batch
         self.seconds = 0.0         # spent measuring (tracing each section, running it)
+        self.ran_out = 0           # sections the device had no memory for (each waits out the allocator's retry)
 
     def border(self, i: int):
         j = max(k for k in self._borders if k <= i)
@@ -156,6 +157,7 @@ class SectionProbe:
             h = snapshot = None
             release(err)
             self.measured[(start, stop)], self.spread[(start, stop)] = DOES_NOT_FIT, 0
+            self.ran_out += 1
             return
         scale = self.real / self.pb
         self.measured[(start, stop)] = int(max(max(used) - upstream, 0) * scale)

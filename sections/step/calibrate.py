@@ -126,7 +126,7 @@ class Calibrator:
         self.measured_nothing = False  # a dry step read 0 bytes: nothing it allocated was counted
         self._plan_kept = False
         self.seconds = {"block probe": 0.0, "dry steps": 0.0}  # time spent planning (section probes: the probe's)
-        self.dry_steps = 0
+        self.dry_steps = self.dry_ran_out = 0
         self.refusal: NoPlanFits | None = None
         try:
             self.plan = self.make_plan()
@@ -234,6 +234,7 @@ class Calibrator:
         self.seconds["dry steps"] += time.perf_counter() - began
         self.dry_steps += 1
         if dry.ran_out:
+            self.dry_ran_out += 1
             failed = max(dry.peak, self.budget + 1)
             log.info(f"a dry step of {_sections(self.plan)} ran out of device memory (at least "
                      f"{rules.human_bytes(failed)}): it does not fit")
@@ -248,11 +249,16 @@ class Calibrator:
         return sum(self.seconds.values()) + self.section_probe.seconds
 
     def planning_summary(self) -> str:
-        """Where planning's time went, in words."""
-        probe = self.section_probe
-        return (f"planned in {rules.human_seconds(self.planning_seconds())}: block probe {rules.human_seconds(self.seconds['block probe'])}, "
-                f"{len(probe.measured)} section probes {rules.human_seconds(probe.seconds)}, {self.dry_steps} dry "
-                f"steps {rules.human_seconds(self.seconds['dry steps'])}")
+        """Where planning's time went, in words (a section probe or dry step that runs out of device memory first
+        waits out the allocator's retry: 10 s each in TensorFlow's BFC allocator)."""
+        probe, t = self.section_probe, rules.human_seconds
+
+        def ran_out(n: int) -> str:
+            return f" ({n} out of device memory)" if n else ""
+
+        return (f"planned in {t(self.planning_seconds())}: block probe {t(self.seconds['block probe'])}, "
+                f"{len(probe.measured)} section probes{ran_out(probe.ran_out)} {t(probe.seconds)}, "
+                f"{self.dry_steps} dry steps{ran_out(self.dry_ran_out)} {t(self.seconds['dry steps'])}")
 
     def plan_spread(self, plan: Plan, dry_spread: int) -> int:
         """What a plan's own measurements varied by: its dry step's two runs, and the probe's repeated runs of
