@@ -125,8 +125,9 @@ class Calibrator:
         self.dry_spread = 0  # the most a dry step's repeated runs differed (at least DRY_NOISE of its peak)
         self.measured_nothing = False  # a dry step read 0 bytes: nothing it allocated was counted
         self._plan_kept = False
-        self.seconds = {"block probe": 0.0, "dry steps": 0.0}  # time spent planning (section probes: the probe's)
-        self.dry_steps = self.dry_ran_out = 0
+        # Time spent planning (the section probe's own: ``section_probe.seconds``); plain probes: ``try_plain``'s.
+        self.seconds = {"block probe": 0.0, "plain probes": 0.0, "dry steps": 0.0}
+        self.dry_steps = self.dry_ran_out = self.plain_probes = 0
         self.refusal: NoPlanFits | None = None
         try:
             self.plan = self.make_plan()
@@ -258,7 +259,9 @@ class Calibrator:
 
         return (f"planned in {t(self.planning_seconds())}: block probe {t(self.seconds['block probe'])}, "
                 f"{len(probe.measured)} section probes{ran_out(probe.ran_out)} {t(probe.seconds)}, "
-                f"{self.dry_steps} dry steps{ran_out(self.dry_ran_out)} {t(self.seconds['dry steps'])}")
+                + (f"{self.plain_probes} without lean gradients {t(self.seconds['plain probes'])}, "
+                   if self.plain_probes else "")
+                + f"{self.dry_steps} dry steps{ran_out(self.dry_ran_out)} {t(self.seconds['dry steps'])}")
 
     def plan_spread(self, plan: Plan, dry_spread: int) -> int:
         """What a plan's own measurements varied by: its dry step's two runs, and the probe's repeated runs of
@@ -328,6 +331,8 @@ class Calibrator:
         with lean_scope(False):
             plain_costs = [plain_probe(*span) for span in spans]
         plain_probe.release()
+        self.plain_probes += len(plain_probe.measured)
+        self.seconds["plain probes"] += plain_probe.seconds
         ceiling = max((c for c in lean_costs if c != DOES_NOT_FIT), default=0)
         plain = frozenset(i for i, (on, off) in enumerate(zip(lean_costs, plain_costs))
                           if DOES_NOT_FIT not in (on, off) and on < off <= ceiling)
