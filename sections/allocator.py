@@ -64,8 +64,20 @@ def describe(environ=None) -> str:
             return f"{key} unset"
         return f"{key}={value}" + (" (set by sectionflow)" if key in ours else " (yours)")
 
-    limit = f", {show(LIMIT)}" if env.get(LIMIT) is not None else ""
+    limit = f", {show(LIMIT)}{limit_not_in_force(env)}" if env.get(LIMIT) is not None else ""
     return f"CPU allocator: {show(BFC)}, {show(ONEDNN)}{limit}"
+
+
+def limit_not_in_force(environ=None) -> str:
+    """`` (not in force: ...)`` where ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` is set but no allocator reads it, else ``""``."""
+    env = os.environ if environ is None else environ
+    text = (env.get(LIMIT) or "").strip()
+    if not text or cpu_limit(env) is not None:
+        return ""
+    if not text.isdigit() or int(text) <= 0:
+        return " (not in force: not a positive whole number of MiB)"
+    return (f" (not in force: only the BFC allocator reads it, and {BFC} is not true; set {BFC}=true before "
+            f"TensorFlow loads)")
 
 
 def missing_statistics_advice() -> str:

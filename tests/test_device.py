@@ -64,6 +64,18 @@ def test_an_emulated_device_turns_bfc_on_and_onednn_off_unless_the_user_chose():
     assert mine[ONEDNN] == "1" and mine[BFC] == "true"
     assert cpu_limit({LIMIT: "512"}) is None, "without the BFC allocator TensorFlow ignores the limit"
     assert cpu_limit({LIMIT: "lots", BFC: "true"}) is None
+    assert "not in force" not in describe(env)
+
+
+def test_a_limit_no_allocator_reads_is_said_to_be_not_in_force():
+    """TensorFlow loaded before sectionflow could turn the BFC allocator on (a script that imports it first): the
+    limit is ignored, and the header's allocator line says so rather than leaving it silently unused."""
+    late = {LIMIT: "2048"}
+    configure(late, tensorflow_loaded=True)
+    assert BFC not in late
+    assert describe(late).endswith(f"{LIMIT}=2048 (yours) (not in force: only the BFC allocator reads it, and {BFC} "
+                                   f"is not true; set {BFC}=true before TensorFlow loads)")
+    assert describe({LIMIT: "2GiB", BFC: "true"}).endswith("(not in force: not a positive whole number of MiB)")
 
 
 def test_the_budget_comes_from_the_device():
