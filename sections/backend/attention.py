@@ -356,7 +356,7 @@ def gemma_compute_attention(layer, original, q, k, v, attention_mask, training=F
     if settings is None or layer.logit_soft_cap is not None or settings["fused"] or not _static(q, k, v):
         return NotImplemented
     rate = float(layer.dropout) if training else 0.0
-    if rate > 0 and (not philox()):
+    if rate > 0 and not philox():
         return NotImplemented
     if layer.query_head_dim_normalize:
         scale = 1 / math.sqrt(layer.head_dim)

@@ -318,8 +318,8 @@ def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: 
     refusals, error = 0, None
     for _ in range(max_rounds):
         # A section the device had no memory to measure (``DOES_NOT_FIT``) says nothing about the others' costs.
-        ratios = sorted(measured[k] / max(1, chain.estimate(*k)) for k in measured
-                        if measured[k] < DOES_NOT_FIT) or [1.0]
+        found = sorted(measured[k] / max(1, chain.estimate(*k)) for k in measured if measured[k] < DOES_NOT_FIT)
+        ratios = found or [1.0]
         # Refused twice: the schedules near the floor have many small sections, and measuring each round's new
         # ones would not end soon; the rest are estimated by the largest ratio seen, so the advice errs high.
         calibration = ratios[-1] if refusals >= 2 else ratios[len(ratios) // 2]
@@ -335,8 +335,8 @@ def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: 
             if refusals > 2:
                 raise
         new = [span for span in plan.leaves if span not in measured]
-        if error is None:
-            new = _could_set_the_peak(plan, new, chain, measured, kwargs["spread"],
+        if error is None and found:
+            new = _could_set_the_peak(plan, new, chain, found[-1], kwargs["spread"],
                                       options.get("activation_scale", 1.0))
         if not new:
             if error is not None:
@@ -352,16 +352,13 @@ def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: 
 HIGHER = 1.25  # how far above the largest measured/estimated ratio so far an unmeasured section is assumed to reach
 
 
-def _could_set_the_peak(plan: Plan, spans: list, chain: _Chain, measured: dict, spread: int, scale: float) -> list:
+def _could_set_the_peak(plan: Plan, spans: list, chain: _Chain, ratio: float, spread: int, scale: float) -> list:
     """Of a fitting plan's unmeasured ``spans``, those that could still break its fit line
-    (``(1 - margin) * budget - spread``) if their activations were ``HIGHER`` times the largest ratio of measured
-    to estimated seen so far: measuring the others could not change whether the plan fits, and each measurement
-    traces and runs a section (on keras.applications ResNet50 at batch 240, 4-45 s each; dozens a plan). Before
-    anything is measured: every span."""
-    ratios = [measured[k] / max(1, chain.estimate(*k)) for k in measured if measured[k] < DOES_NOT_FIT]
-    if not ratios:
-        return spans
+    (``(1 - margin) * budget - spread``) if their activations were ``HIGHER`` times ``ratio``, the largest ratio of
+    measured to estimated seen so far: measuring the others could not change whether the plan fits, and each
+    measurement traces and runs a section (on keras.applications ResNet50 at batch 240, 2-48 s each; dozens a
+    plan). (Before anything is measured the caller measures every span.)"""
     line = (1.0 - plan.margin) * plan.budget - spread
     beside = dict(zip(plan.leaves, plan.leaf_held))
-    high = HIGHER * max(ratios) * scale
+    high = HIGHER * ratio * scale
     return [span for span in spans if beside[span] + high * chain.estimate(*span) > line]

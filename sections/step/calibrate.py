@@ -154,7 +154,8 @@ class Calibrator:
         hold less (sections measured alone keep more than they do inside a step). The gap between a dry step and
         its prediction joins the fixed cost (either way) and the schedule is planned again: a plan predicted too
         high makes room for a faster one, too low for a smaller one (unless the plan fits: less room finds no faster
-        plan); each new schedule is dry-run too (up to ``DRY_STEPS``), and then the plan the model predicts fastest under the whole budget, without its safety
+        plan); each new schedule is dry-run too (up to ``DRY_STEPS``), and then the plan the model predicts fastest
+        under the whole budget, without its safety
         margin (``try_bolder``). A plan fits when its dry step plus the run-to-run spread is within the budget
         and, unless ops run in one order (``fits``), the dry step within ``1 - margin / 2`` of it; of those, the
         one whose dry step ran fastest (timed, not predicted: the planner's re-run time model ranks close plans
