@@ -171,6 +171,52 @@ def test_batch_max_trials_share_one_optimizer(monkeypatch):
     assert 90 <= cfg.batch <= 100 and setup.batch_search.best()[0] == cfg.batch
 
 
+@pytest.mark.parametrize("per_example_mib, fixed_mib, held_mib, budget_mib", [
+    (6.0, 300, 200, 1946), (6.0, 300, 0, 3891), (0.35, 100, 60, 973), (1.7, 40, 400, 3891), (20.0, 500, 0, 973)])
+def test_batch_max_with_floors_lands_within_the_tolerance_in_a_few_trials(per_example_mib, fixed_mib, held_mib,
+                                                                          budget_mib):
+    """`sections=auto` trials report their floor, the least memory any plan at their batch needs: fixed (variables
+    and slots, which the trial names), what else the device holds (which it does not), and the activations, growing
+    with the batch. The search aims at where the floors' line meets the plans' line and ends within the tolerance
+    in at most four trials; doubling from 32 took six to ten (each a plan: 5-30 minutes on ResNet50 here)."""
+    from types import SimpleNamespace
+
+    from runner.run.batch_max import TOLERANCE
+
+    mib, line = 2**20, int(0.9 * budget_mib * 2**20)
+
+    def floor(b):
+        return SimpleNamespace(least=int((fixed_mib + held_mib + per_example_mib * b) * mib), fixed=fixed_mib * mib,
+                               line=line)
+
+    def try_batch(b, floors=True):
+        fits = floor(b).least <= line
+        return fits, min(floor(b).least, line), "", f"engine {b}", floor(b) if floors else None
+
+    largest = int((line / mib - fixed_mib - held_mib) / per_example_mib)
+    (batch, engine), search = largest_batch(try_batch, 1, budget=budget_mib * mib)
+    assert largest / (1 + TOLERANCE) <= batch <= largest and engine == f"engine {batch}", search.trials
+    assert len(search.trials) <= 4, search.trials
+    (_, _), doubling = largest_batch(lambda b: try_batch(b, floors=False), 1, budget=budget_mib * mib)
+    assert len(doubling.trials) > len(search.trials), (doubling.trials, search.trials)
+
+
+def test_batch_max_guided_by_floors_that_mislead_still_ends_within_the_tolerance():
+    """Floors that say every batch fits (a plan's dry steps decide otherwise) or that grow far faster than the
+    batch: the search still brackets the true largest batch by halving."""
+    from types import SimpleNamespace
+
+    from runner.run.batch_max import TOLERANCE
+
+    for slope in (0.0001, 50.0):
+        def try_batch(b):
+            least = int((100 + slope * b) * 2**20)
+            return b <= 700, least, "", b, SimpleNamespace(least=least, fixed=100 * 2**20, line=900 * 2**20)
+
+        (batch, _), search = largest_batch(try_batch, 1, budget=1000 * 2**20)
+        assert 700 / (1 + TOLERANCE) <= batch <= 700 and len(search.trials) <= 10, (slope, search.trials)
+
+
 def test_batch_max_stops_at_the_data_size():
     (batch, engine), search = largest_batch(lambda b: (True, b, "", b), 1, cap=300)
     assert batch == 300 and engine == 300 and search.trials[-1][0] == 300

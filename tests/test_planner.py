@@ -108,6 +108,25 @@ def test_budget_nothing_fits_names_smallest_reachable_peak():
     assert plan_schedule(profiles(), input_bytes=MiB, budget=parse_bytes(named)).predicted_peak <= smallest + MiB
 
 
+@pytest.mark.parametrize("seed", [3, 11, 17])
+def test_the_floor_is_the_smallest_peak_a_refusal_names_and_a_plan_just_above_it_fits(seed):
+    """``least_peak`` (``Engine.memory_floor``'s bytes, what ``batch=max`` extrapolates) is the smallest predicted
+    peak: the figure a refusal names, with the same measured sections and calibration, and no plan predicts less."""
+    from sections.schedule.planner import NoPlanFits, _Chain, _ratios, least_peak
+
+    rng = random.Random(seed)
+    ps = random_profiles(rng, 12)
+    measured = {(0, 3): 3 * ps[0].kept_bytes, (5, 7): ps[5].kept_bytes}  # median ratio: the (5, 7) section's
+    options = dict(base_bytes=50 * MiB, measured=measured, extra_bytes=7 * MiB, grad_bytes=[MiB] * 12)
+    floor = least_peak(ps, MiB, **options)
+    ratios = _ratios(_Chain(ps, MiB), measured)
+    with pytest.raises(NoPlanFits) as refused:
+        plan_schedule(ps, MiB, budget=floor, calibration=ratios[len(ratios) // 2], **options)
+    assert refused.value.smallest == floor
+    plan = plan_schedule(ps, MiB, budget=int(floor / 0.9) + 2 * MiB, calibration=ratios[len(ratios) // 2], **options)
+    assert floor <= plan.predicted_peak
+
+
 @pytest.mark.parametrize("text,value", [("2GiB", 2 * 2**30), ("2G", 2 * 10**9), ("512MB", 512 * 10**6),
                                         ("1e9", 10**9), (1234, 1234), ("64 KiB", 64 * 1024)])
 def test_parse_bytes(text, value):
@@ -465,10 +484,11 @@ def test_a_step_over_the_prediction_but_inside_the_budget_keeps_its_plan_when_no
         engine.calibrator.replan_if_over(plan.budget + MiB)
 
 
-@pytest.mark.parametrize("probe_batch, expected", [(None, 96), (16, 16)])
-def test_the_probe_runs_at_the_real_batch_unless_told(monkeypatch, probe_batch, expected):
-    """The planner's per-block probe measures the real batch by default (scaling a small slice up missed
-    fixed and batch-dependent costs by up to 16% on the notebook ResNet); ``probe_batch`` asks for a slice."""
+@pytest.mark.parametrize("batch, probe_batch, expected", [(48, None, 48), (96, None, 64), (400, None, 100),
+                                                           (96, 16, 16)])
+def test_the_probe_runs_the_batch_up_to_64_else_a_quarter_unless_told(monkeypatch, batch, probe_batch, expected):
+    """The planner's probes run the real batch up to 64 examples, else a quarter of it (at least 64), scaled up;
+    ``probe_batch`` says otherwise."""
     from sections.step import calibrate as _engine
 
     seen = []
@@ -481,8 +501,8 @@ def test_the_probe_runs_at_the_real_batch_unless_told(monkeypatch, probe_batch, 
     monkeypatch.setattr(_engine, "profile_blocks", recording)
     engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB",
                     probe_batch=probe_batch)
-    engine.build(make_batch(n=96, size=8, classes=10))
-    assert seen == [(expected, 96)]
+    engine.build(make_batch(n=batch, size=8, classes=10))
+    assert seen == [(expected, batch)]
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "64", True])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +142,8 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
     cap = getattr(data, "train_size", None)
     optimizer = new_optimizer(cfg, strategy)
 
+    floors = []  # sections=auto: each trial's floor (Engine.memory_floor), which the search extrapolates
+
     def try_batch(batch: int):
         try:
             engine, probe, batches = make_engine(cfg, data, network, sections, strategy, batch, raw=True,
@@ -149,11 +152,15 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
             smallest = getattr(err, "smallest", None)
             if smallest is None:
                 raise ConfigError("sections", sections, str(err)) from err
-            return False, smallest or None, "no plan fits", None
+            # The smallest plan's dry step: this batch's floor, as measured (its fixed part and line are the
+            # last fitting trial's: neither grows with the batch).
+            floor = dataclasses.replace(floors[-1], least=smallest) if floors and smallest else None
+            return False, smallest or None, "no plan fits", None, floor
         except engine_lib.OutOfMemory as err:
             return False, err.in_use + (err.requested or 0), "out of memory while planning", None
         if engine.plan is not None:  # sections=auto: its dry steps ran the plan under the budget
-            return True, engine.plan.predicted_peak, "", (engine, probe, batches)
+            floors.append(engine.memory_floor)
+            return True, engine.plan.predicted_peak, "", (engine, probe, batches), floors[-1]
         fits, peak, why = _one_step_fits(engine, probe, budget)
         return fits, peak, why, (engine, probe, batches) if fits else None
 

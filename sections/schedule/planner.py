@@ -266,8 +266,7 @@ def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, 
     solved = fits(budget)
     if solved is None:
         # The least memory any schedule needs (exact bytes), then the least budget whose slotted plan fits it.
-        need = _least_memory(chain, units, activation_scale)
-        smallest = max(int(need + base_bytes), apply_peak)
+        smallest = max(int(_least_memory(chain, units, activation_scale) + base_bytes), apply_peak)
         # The plans' own rule, the spread once (another run's floor moving by it is what the spread stands for).
         advised = math.ceil((smallest + spread) / (1 - margin) / 2**20) * 2**20
         while (solved := fits(advised)) is None:
@@ -302,6 +301,24 @@ def _least_memory(chain: _Chain, units: list, scale: float) -> float:
     return g[(0, n)]
 
 
+def least_peak(profiles, input_bytes: int, base_bytes: int = 0, units=(Store(),), activation_scale: float = 1.0,
+               measured=None, grad_bytes=None, apply_bytes: int = 0, extra_bytes: int = 0) -> int:
+    """The smallest peak any schedule is predicted to reach (what ``NoPlanFits.smallest`` names), sections not in
+    ``measured`` estimated at the median ratio measured/estimated, as ``plan_measured`` plans. It grows with the
+    batch where the activations do: ``batch=max`` searches for the batch whose floor meets the budget."""
+    chain = _Chain(profiles, input_bytes, measured, grad_bytes)
+    ratios = _ratios(chain, chain.measured) or [1.0]
+    chain.calibration = ratios[len(ratios) // 2]
+    apply_peak = base_bytes + extra_bytes + chain.grads_after[0] + apply_bytes
+    return max(int(_least_memory(chain, list(units), activation_scale) + base_bytes + extra_bytes), apply_peak)
+
+
+def _ratios(chain: _Chain, measured: dict) -> list:
+    """Measured over estimated activations of each section measured, sorted. A section the device had no memory to
+    measure (``DOES_NOT_FIT``) says nothing about the others' costs."""
+    return sorted(measured[k] / max(1, chain.estimate(*k)) for k in measured if measured[k] < DOES_NOT_FIT)
+
+
 def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: int = 12, spread=None,
                   **options) -> Plan:
     """``plan_schedule`` whose chosen sections are measured: plan, measure each re-run section of the plan that
@@ -317,8 +334,7 @@ def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: 
     margin = options.pop("margin", 0.1)
     refusals, error = 0, None
     for _ in range(max_rounds):
-        # A section the device had no memory to measure (``DOES_NOT_FIT``) says nothing about the others' costs.
-        found = sorted(measured[k] / max(1, chain.estimate(*k)) for k in measured if measured[k] < DOES_NOT_FIT)
+        found = _ratios(chain, measured)
         ratios = found or [1.0]
         # Refused twice: the schedules near the floor have many small sections, and measuring each round's new
         # ones would not end soon; the rest are estimated by the largest ratio seen, so the advice errs high.

@@ -17,12 +17,12 @@ from ..backend.lean import lean_scope
 from ..backend.memory import one_op_order
 from ..backend.profile import SectionProbe, gradient_bytes, probe_slice, profile_blocks
 from ..backend.structure import nbytes
-from ..schedule.planner import DOES_NOT_FIT, NoPlanFits, Plan, plan_measured
+from ..schedule.planner import DOES_NOT_FIT, NoPlanFits, Plan, least_peak, plan_measured
 from ..schedule.program import Schedule
 from .compile import Borders, Compiled
 from .executor import DRY_NOISE, DryStep
 
-__all__ = ["Calibrator", "DryRun", "PlanCosts", "BudgetExceededError"]
+__all__ = ["Calibrator", "DryRun", "Floor", "PlanCosts", "BudgetExceededError"]
 log = logging.getLogger("sections")
 MAX_REPLANS = 3  # corrections of the cost model by measured steps before a step over the budget stops
 DRY_STEPS = 3  # at most this many steps at build (state restored after) measure what a plan's prediction leaves out
@@ -58,6 +58,7 @@ class PlanCosts:
     base_bytes: int
     grad_bytes: list | None
     apply_bytes: int
+    model_bytes: int = 0  # of base_bytes, the variables and optimizer slots (what does not grow with the batch)
 
     @classmethod
     def of(cls, network, optimizer, borders: Borders, in_backward: bool) -> "PlanCosts":
@@ -69,8 +70,21 @@ class PlanCosts:
         apply = 2 * max((nbytes(v) for v in network.trainable_variables), default=0)  # about two of the largest
         grads = gradient_bytes(network)
         if in_backward:
-            return cls(nbytes(borders.input_specs), base + borders.batch_bytes, None, apply + max(grads, default=0))
-        return cls(nbytes(borders.input_specs), base + borders.batch_bytes, grads, apply)
+            return cls(nbytes(borders.input_specs), base + borders.batch_bytes, None, apply + max(grads, default=0),
+                       base)
+        return cls(nbytes(borders.input_specs), base + borders.batch_bytes, grads, apply, base)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The least memory a step at this batch needs under any plan (``least``, the model's prediction corrected by
+    the dry steps' fixed cost), the part of it that does not grow with the batch (``fixed``: variables and optimizer
+    slots), and the line a plan's prediction must stay under (``line``: the budget less the margin and spread).
+    A batch whose floor is above its line has no plan; ``batch=max`` extrapolates the floor to the line."""
+
+    least: int
+    fixed: int
+    line: int
 
 
 @dataclass(frozen=True)
@@ -113,10 +127,11 @@ class Calibrator:
     the corrections made, in words."""
 
     def __init__(self, profiles: list, section_probe: SectionProbe, costs: PlanCosts, budget: int, budget_source: str,
-                 lean, trials: Trials, resident: int = 0):
+                 lean, trials: Trials, resident: int = 0, device_limit: int | None = None):
         self.profiles, self.section_probe, self.costs, self.lean, self.trials = (profiles, section_probe, costs,
                                                                                  lean, trials)
         self.budget, self.budget_source = budget, budget_source
+        self.device_limit = device_limit  # a hard limit's bytes (an allocation past it fails), else None
         self.replans: list[str] = []
         # Bytes a dry step measured beside the computed base (what the model leaves out); before the first, what
         # the device held beside the base when planning began (``resident``).
@@ -144,6 +159,15 @@ class Calibrator:
                                  spread=self.section_probe.largest_spread, base_bytes=costs.base_bytes,
                                  extra_bytes=self.fixed_extra, activation_scale=scale, grad_bytes=costs.grad_bytes,
                                  apply_bytes=costs.apply_bytes, **options)
+
+    def floor(self) -> Floor:
+        """The least memory any plan at this batch is predicted to need, on the figures measured so far."""
+        costs = self.costs
+        least = least_peak(self.profiles, costs.input_bytes, costs.base_bytes,
+                           activation_scale=self.activation_scale, measured=self.section_probe.measured,
+                           grad_bytes=costs.grad_bytes, apply_bytes=costs.apply_bytes, extra_bytes=self.fixed_extra)
+        line = int((1.0 - self.plan.margin) * self.budget) - self.run_spread()
+        return Floor(least, costs.model_bytes, line)
 
     # ------------------------------------------------------------------ dry steps at build
     def calibrate(self, batch) -> None:
@@ -229,15 +253,19 @@ class Calibrator:
 
     def _measure(self, batch) -> tuple[int, float, int]:
         """The current plan's dry step: its peak, seconds and spread (``plan_spread``). Where the device has no
-        memory for it, it reads as at least what was in use plus the failing request, and over the budget (a
-        fragmented heap fails below its limit)."""
+        memory for it, it reads as at least what was in use plus the failing request, over the budget, and at
+        least the device's hard limit (a fragmented heap fails below its limit, but the plans it rules out are
+        dry-run and measured)."""
         began = time.perf_counter()
         dry = self.trials.dry_step(batch)
         self.seconds["dry steps"] += time.perf_counter() - began
         self.dry_steps += 1
         if dry.ran_out:
             self.dry_ran_out += 1
-            failed = max(dry.peak, self.budget + 1)
+            # What was in use plus the failing request can read far below what the plan needs (the request that
+            # failed need not be the step's last), and a plan corrected by too little runs out again (each one
+            # waits out the allocator's retry): the device's limit is the better bound where one is known.
+            failed = max(dry.peak, self.budget + 1, self.device_limit or 0)
             log.info(f"a dry step of {_sections(self.plan)} ran out of device memory (at least "
                      f"{rules.human_bytes(failed)}): it does not fit")
             return failed, math.inf, 0

@@ -66,8 +66,9 @@ class Engine(Trainer):
             learning rate and math per variable) for Keras's per-variable optimizers (``sections.step.update``),
             an error for others. ``"at_end"``: one apply after the whole backward. ``"auto"`` (default):
             ``in_backward`` where it is exact, else ``at_end`` (``apply_reason`` says why).
-        probe_batch: examples the planner's per-block probe runs (``sections="auto"`` only); default: the real
-            batch (one replica's share), so its memory and time are measured, not scaled from a small slice.
+        probe_batch: examples the planner's block and section probes run (``sections="auto"`` only), their
+            figures scaled to the real batch (one replica's share); default ``rules.default_probe_batch``: the real
+            batch up to 64, else a quarter of it (at least 64). Dry steps run the real batch.
         device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
             strategy, its replica devices).
         distribute: a ``tf.distribute`` strategy (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``) to run
@@ -133,6 +134,12 @@ class Engine(Trainer):
     @plan.setter
     def plan(self, plan) -> None:
         self.calibrator.plan = plan
+
+    @property
+    def memory_floor(self):
+        """``sections="auto"``: the least memory any plan at this batch is predicted to need (a ``Floor``: its bytes,
+        the part that does not grow with the batch, and the line plans must stay under); else None."""
+        return self.calibrator.floor() if self.calibrator is not None else None
 
     @property
     def memory_budget(self) -> int | None:
@@ -202,12 +209,13 @@ class Engine(Trainer):
         # they share the device): every step's peak includes it, so the first plan does too (dry steps correct it).
         resident = max(0, self.meter.current() - costs.base_bytes)
         began = time.perf_counter()
-        small, profiles = profile(self.network, batch, self.request.probe_batch or real, real, self.meter, self.lean,
+        small, profiles = profile(self.network, batch, self.request.probe_batch or rules.default_probe_batch(real), real, self.meter, self.lean,
                                   no_room)
         profiled = time.perf_counter() - began
         probe = SectionProbe(self.network, small, real, self.meter)
         self.calibrator = Calibrator(profiles, probe, costs, self.memory_budget, self.budget_source, self.lean, self,
-                                     resident=resident)
+                                     resident=resident,
+                                     device_limit=self.device_memory.total if self.device_memory.hard else None)
         self.calibrator.seconds["block probe"] = profiled
         return self.calibrator.plan.schedule
 
