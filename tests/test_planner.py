@@ -2,6 +2,7 @@
 deterministic, says what is reachable, and re-plans when a measured step exceeds its prediction."""
 
 import functools
+import math
 from dataclasses import replace
 import random
 
@@ -125,6 +126,23 @@ def test_the_floor_is_the_smallest_peak_a_refusal_names_and_a_plan_just_above_it
     assert refused.value.smallest == floor
     plan = plan_schedule(ps, MiB, budget=int(floor / 0.9) + 2 * MiB, calibration=ratios[len(ratios) // 2], **options)
     assert floor <= plan.predicted_peak
+
+
+def test_the_memory_floor_grows_with_the_batch_above_the_variables_and_slots():
+    """``Engine.memory_floor``: what ``batch=max`` extrapolates. Its fixed part is the variables' and optimizer
+    slots' bytes; the least peak lies above it, grows with the batch, and is no more than the plan's own peak."""
+    floors = []
+    for n in (16, 64):
+        engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
+                        memory_budget="1GiB")
+        engine.build(make_batch(n=n, size=16, classes=10))
+        floor = engine.memory_floor
+        held = sum(v.numpy().nbytes for v in engine.network.variables + engine.optimizer.variables)
+        assert floor.fixed == held and held < floor.least <= engine.plan.predicted_peak, (floor, engine.plan)
+        assert floor.line == int(0.9 * engine.memory_budget) - engine.calibrator.run_spread()
+        floors.append(floor.least)
+    assert floors[1] > floors[0], floors
+    assert Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections=2).memory_floor is None
 
 
 @pytest.mark.parametrize("text,value", [("2GiB", 2 * 2**30), ("2G", 2 * 10**9), ("512MB", 512 * 10**6),
@@ -437,6 +455,24 @@ def test_a_restored_plan_is_dry_run_again_and_its_larger_figure_stands(monkeypat
     else:
         assert dry_runs == [fast_state.schedule, halves] and runs[0].peak == 70 * MiB
         assert chosen.plan is slow_plan and chosen.peak == 21 * MiB and engine.schedule is halves
+
+
+@pytest.mark.parametrize("in_use_mib, limit_mib, reads_mib", [(30, None, 64 + 1 / MiB), (30, 80, 80), (90, 80, 90)])
+def test_a_dry_step_that_runs_out_reads_at_least_the_devices_limit(monkeypatch, in_use_mib, limit_mib, reads_mib):
+    """A dry step that runs out of device memory reads what was in use plus the failing request, at least just over
+    the budget, and at least the device's hard limit where one is known: corrected by less, the notebook ResNet's
+    next plan on 0.30 of whole's peak ran out too (read as 823.7 MiB on an 867 MiB device) and the planner
+    refused; read as the limit, a plan fitted."""
+    from sections.step.executor import DryStep
+
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="64MiB")
+    batch = make_batch(n=16, size=8, classes=10)
+    engine.build(batch)
+    engine.calibrator.device_limit = None if limit_mib is None else limit_mib * MiB
+    monkeypatch.setattr(engine, "dry_step", lambda b: DryStep(in_use_mib * MiB, math.inf, 0, ran_out=True))
+    peak, seconds, spread = engine.calibrator._measure(engine.replicas.split(dict(batch)))
+    assert peak == int(reads_mib * MiB) and math.isinf(seconds) and spread == 0
+    assert not engine.calibrator.fits(peak)
 
 
 @pytest.mark.parametrize("apply", ["in_backward", "at_end"])
