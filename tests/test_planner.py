@@ -520,11 +520,12 @@ def test_a_step_over_the_prediction_but_inside_the_budget_keeps_its_plan_when_no
         engine.calibrator.replan_if_over(plan.budget + MiB)
 
 
-@pytest.mark.parametrize("batch, probe_batch, expected", [(48, None, 48), (96, None, 64), (400, None, 100),
-                                                           (96, 16, 16)])
-def test_the_probe_runs_the_batch_up_to_64_else_a_quarter_unless_told(monkeypatch, batch, probe_batch, expected):
-    """The planner's probes run the real batch up to 64 examples, else a quarter of it (at least 64), scaled up;
-    ``probe_batch`` says otherwise."""
+@pytest.mark.parametrize("batch, probe_batch, expected", [(48, None, 48), (96, None, 64), (400, None, 64),
+                                                           (1000, None, 128), (96, 16, 16)])
+def test_the_probe_runs_the_batch_up_to_64_else_64_times_a_power_of_two_unless_told(monkeypatch, batch, probe_batch,
+                                                                                   expected):
+    """The planner's probes run the real batch up to 64 examples, else 64 times the largest power of two within a
+    quarter of it, scaled up; ``probe_batch`` says otherwise."""
     from sections.step import calibrate as _engine
 
     seen = []
@@ -539,6 +540,36 @@ def test_the_probe_runs_the_batch_up_to_64_else_a_quarter_unless_told(monkeypatc
                     probe_batch=probe_batch)
     engine.build(make_batch(n=batch, size=8, classes=10))
     assert seen == [(expected, batch)]
+
+
+def test_a_second_engine_on_the_network_reuses_the_probes_of_a_slice_of_the_same_shapes(monkeypatch):
+    """``batch=max`` plans one engine per trial batch on one network: trials whose probe slices have the same shapes
+    (64 examples from batch 65 to 511) take the block and section figures of the first, scaled to their batch,
+    instead of tracing and running them again; a slice of other shapes is probed anew."""
+    from sections.step import calibrate
+
+    calls = []
+    real = calibrate.profile_blocks
+
+    def counting(network, small, real_batch, meter):
+        calls.append((int(small[network.inputs].shape[0]), real_batch))
+        return real(network, small, real_batch, meter)
+
+    monkeypatch.setattr(calibrate, "profile_blocks", counting)
+    net = conv_stack(depth=4)
+    engines = {}
+    for n in (96, 192, 48):
+        engines[n] = Engine(net, keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
+        engines[n].build(make_batch(n=n, size=8, classes=10))
+    assert calls == [(64, 96), (48, 48)]  # 192 reused 96's probe of 64 examples
+    first, second = engines[96].calibrator, engines[192].calibrator
+    for a, b in zip(first.profiles, second.profiles):
+        assert (b.kept_bytes, b.output_bytes) == (int(2 * a.kept_bytes), int(2 * a.output_bytes))
+    shared = set(first.section_probe.measured) & set(second.section_probe.measured)
+    assert shared and second.section_probe.reused == len(shared) and engines[48].calibrator.section_probe.reused == 0
+    for span in shared:
+        assert abs(second.section_probe.measured[span] - 2 * first.section_probe.measured[span]) <= 2
+    assert "reused from an earlier engine's" in second.planning_summary()
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "64", True])

@@ -81,6 +81,32 @@ def _block_functions(block, batch):
     return RelaxedFunction(forward, batch_args=(0,)), RelaxedFunction(train, batch_args=(0,))
 
 
+class ProbeMemo:
+    """Probe figures at one probe slice, kept on the network (``Network.probe_memos``) across the engines built on
+    it: ``batch=max`` builds one per trial batch, and trials whose probe slices have the same shapes measure the
+    same thing. ``blocks``: the block profiles, scaled to ``real``; ``sections``: each section's figure and spread
+    at the slice (unscaled; none for a section the device had no memory for: it may fit beside another batch)."""
+
+    def __init__(self):
+        self.real: int | None = None
+        self.blocks: list | None = None
+        self.sections: dict = {}
+
+
+def probe_memo(network, small, lean, plain: bool = False) -> ProbeMemo:
+    """The network's memo for probes of the slice ``small`` (its shapes and dtypes) under ``lean`` (``plain``: the
+    probes without lean gradients)."""
+    key = (repr(lean), plain, tuple((tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(small)))
+    return network.probe_memos.setdefault(key, ProbeMemo())
+
+
+def rescaled(profiles: list, real: int, new: int) -> list:
+    """Block profiles measured for batch ``real``, for batch ``new`` (every figure grows with the batch)."""
+    k = new / real
+    return [BlockProfile(p.name, int(p.output_bytes * k), int(p.kept_bytes * k), int(p.transient_bytes * k),
+                         p.forward_seconds * k, int(p.stored_bytes * k)) for p in profiles]
+
+
 class SectionProbe:
     """Measures runs of blocks as one compiled section (forward, then backward from its output), on the probe
     slice, state untouched; figures scaled to the real batch and cached per span.
@@ -93,8 +119,9 @@ class SectionProbe:
     RUNS = 3  # the executor's op order (so the peak) varies call to call: the largest of these is used
     RUNS_ONE_ORDER = 2  # ops on one inter-op thread run in one order: the peak repeats, two runs show it does
 
-    def __init__(self, network, small, real: int, meter: MemoryMeter, stride: int = 8):
+    def __init__(self, network, small, real: int, meter: MemoryMeter, stride: int = 8, memo: ProbeMemo | None = None):
         self.network, self.small, self.real, self.meter = network, small, real, meter
+        self.memo = ProbeMemo() if memo is None else memo
         self.pb = int(tf.nest.flatten(small[network.inputs])[0].shape[0])
         self.stride = stride
         self._borders = {0: small[network.inputs]}
@@ -103,6 +130,7 @@ class SectionProbe:
         self.spread: dict = {}     # (start, stop) -> largest - smallest over the runs, bytes at the real batch
         self.seconds = 0.0         # spent measuring (tracing each section, running it)
         self.ran_out = 0           # sections the device had no memory for (each waits out the allocator's retry)
+        self.reused = 0            # sections whose figures came from the memo (an earlier engine's probe)
 
     def border(self, i: int):
         j = max(k for k in self._borders if k <= i)
@@ -120,11 +148,17 @@ class SectionProbe:
         self._borders = {0: self._borders[0]}
 
     def __call__(self, start: int, stop: int) -> int:
-        if (start, stop) not in self.measured:
+        span = (start, stop)
+        if span not in self.measured and span in self.memo.sections:
+            used, spread = self.memo.sections[span]
+            scale = self.real / self.pb
+            self.measured[span], self.spread[span] = int(used * scale), int(spread * scale)
+            self.reused += 1
+        if span not in self.measured:
             began = time.perf_counter()
             self._measure(start, stop)
             self.seconds += time.perf_counter() - began
-        return self.measured[(start, stop)]
+        return self.measured[span]
 
     def _measure(self, start: int, stop: int) -> None:
         blocks = self.network.blocks[start:stop]
@@ -160,8 +194,9 @@ class SectionProbe:
             self.ran_out += 1
             return
         scale = self.real / self.pb
-        self.measured[(start, stop)] = int(max(max(used) - upstream, 0) * scale)
-        self.spread[(start, stop)] = int((max(used) - min(used)) * scale)
+        self.memo.sections[(start, stop)] = (max(max(used) - upstream, 0), max(used) - min(used))
+        self.measured[(start, stop)] = int(self.memo.sections[(start, stop)][0] * scale)
+        self.spread[(start, stop)] = int(self.memo.sections[(start, stop)][1] * scale)
 
     def largest_spread(self) -> int:
         """The largest difference between repeated runs of one section (the executor's op order), bytes."""

@@ -15,7 +15,8 @@ from .. import rules
 from ..backend.device import OutOfMemory, release
 from ..backend.lean import lean_scope
 from ..backend.memory import one_op_order
-from ..backend.profile import SectionProbe, gradient_bytes, probe_slice, profile_blocks
+from ..backend.profile import (SectionProbe, gradient_bytes, probe_memo, probe_slice, profile_blocks,
+                               rescaled)
 from ..backend.structure import nbytes
 from ..schedule.planner import DOES_NOT_FIT, NoPlanFits, Plan, least_peak, plan_measured
 from ..schedule.program import Schedule
@@ -102,12 +103,17 @@ class DryRun:
 
 def profile(network, batch, probe: int, real: int, meter, lean, budget_note: str) -> tuple[dict, list]:
     """The per-block probe at ``probe`` examples; where the device has no memory for it, at half as many (down to
-    one), its figures scaled to the real batch. Returns the probe slice and the profiles."""
+    one), its figures scaled to the real batch (an earlier engine's on this network, rescaled, where it probed a
+    slice of the same shapes: ``ProbeMemo``). Returns the probe slice and the profiles."""
     while True:
         small, _ = probe_slice(network, batch, probe)
+        memo = probe_memo(network, small, lean)
+        if memo.blocks is not None:  # an earlier engine on this network probed a slice of these shapes
+            return small, rescaled(memo.blocks, memo.real, real)
         try:
             with lean_scope(lean):  # the blocks measured as the sections will run them
-                return small, profile_blocks(network, small, real, meter)
+                memo.blocks, memo.real = profile_blocks(network, small, real, meter), real
+                return small, memo.blocks
         except tf.errors.ResourceExhaustedError as err:
             release(err)
             if probe == 1:
@@ -286,8 +292,10 @@ class Calibrator:
         def ran_out(n: int) -> str:
             return f" ({n} out of device memory)" if n else ""
 
+        reused = f" (and {probe.reused} reused from an earlier engine's)" if probe.reused else ""
         return (f"planned in {t(self.planning_seconds())}: block probe {t(self.seconds['block probe'])}, "
-                f"{len(probe.measured)} section probes{ran_out(probe.ran_out)} {t(probe.seconds)}, "
+                f"{len(probe.measured) - probe.reused} section probes{ran_out(probe.ran_out)} {t(probe.seconds)}"
+                f"{reused}, "
                 + (f"{self.plain_probes} without lean gradients {t(self.seconds['plain probes'])}, "
                    if self.plain_probes else "")
                 + f"{self.dry_steps} dry steps{ran_out(self.dry_ran_out)} {t(self.seconds['dry steps'])}")
@@ -355,12 +363,13 @@ class Calibrator:
         spans = _spans(chosen.plan.schedule, len(self.profiles))
         with lean_scope(self.lean):
             lean_costs = [self.section_probe(*span) for span in spans]
-        plain_probe = SectionProbe(self.section_probe.network, self.section_probe.small, self.section_probe.real,
-                                   self.section_probe.meter)
+        probe = self.section_probe
+        plain_probe = SectionProbe(probe.network, probe.small, probe.real, probe.meter,
+                                   memo=probe_memo(probe.network, probe.small, self.lean, plain=True))
         with lean_scope(False):
             plain_costs = [plain_probe(*span) for span in spans]
         plain_probe.release()
-        self.plain_probes += len(plain_probe.measured)
+        self.plain_probes += len(plain_probe.measured) - plain_probe.reused
         self.seconds["plain probes"] += plain_probe.seconds
         ceiling = max((c for c in lean_costs if c != DOES_NOT_FIT), default=0)
         plain = frozenset(i for i, (on, off) in enumerate(zip(lean_costs, plain_costs))

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from .. import rules
 from ..backend.device import OutOfMemory
-from ..backend.profile import SectionProbe
+from ..backend.profile import SectionProbe, probe_memo
 from ..network.network import Network
 from ..schedule.policies import Recompute, resolve
 from ..schedule.program import Schedule
@@ -68,7 +68,8 @@ class Engine(Trainer):
             ``in_backward`` where it is exact, else ``at_end`` (``apply_reason`` says why).
         probe_batch: examples the planner's block and section probes run (``sections="auto"`` only), their
             figures scaled to the real batch (one replica's share); default ``rules.default_probe_batch``: the real
-            batch up to 64, else a quarter of it (at least 64). Dry steps run the real batch.
+            batch up to 64, else 64 times the largest power of two within a quarter of it. Dry steps run the real
+            batch.
         device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
             strategy, its replica devices).
         distribute: a ``tf.distribute`` strategy (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``) to run
@@ -212,7 +213,7 @@ class Engine(Trainer):
         small, profiles = profile(self.network, batch, self.request.probe_batch or rules.default_probe_batch(real), real, self.meter, self.lean,
                                   no_room)
         profiled = time.perf_counter() - began
-        probe = SectionProbe(self.network, small, real, self.meter)
+        probe = SectionProbe(self.network, small, real, self.meter, memo=probe_memo(self.network, small, self.lean))
         self.calibrator = Calibrator(profiles, probe, costs, self.memory_budget, self.budget_source, self.lean, self,
                                      resident=resident,
                                      device_limit=self.device_memory.total if self.device_memory.hard else None)
