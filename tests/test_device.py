@@ -199,6 +199,10 @@ def test_batch_max_with_floors_lands_within_the_tolerance_in_a_few_trials(per_ex
     assert len(search.trials) <= 4, search.trials
     (_, _), doubling = largest_batch(lambda b: try_batch(b, floors=False), 1, budget=budget_mib * mib)
     assert len(doubling.trials) > len(search.trials), (doubling.trials, search.trials)
+    # metrics.json's batch_max_trials: each trial's floor and line where it reported one
+    assert [(r["floor_bytes"], r["line_bytes"]) for r in search.records()] == [
+        (floor(b).least, line) for b, *_ in search.trials]
+    assert "floor_bytes" not in doubling.records()[0]
 
 
 def test_batch_max_guided_by_floors_that_mislead_still_ends_within_the_tolerance():

@@ -49,6 +49,16 @@ class Search:
         fitting = self.fitting()
         return max(fitting, key=lambda t: t[0]) if fitting else None
 
+    def records(self) -> list:
+        """The trials for `metrics.json`: batch, fits, peak bytes, why; with `sections=auto`, the floor's bytes and
+        the line it was held against."""
+        out = []
+        for b, ok, p, why in self.trials:
+            floor = self.floors.get(b)
+            out.append({"batch": b, "fits": ok, "peak_bytes": p, "why": why,
+                        **({"floor_bytes": floor.least, "line_bytes": floor.line} if floor is not None else {})})
+        return out
+
     def describe(self) -> str:
         parts = [f"{b} {'fits' if ok else 'does not'}" + (f" ({human_bytes(p)})" if p else "")
                  for b, ok, p, _ in self.trials]

@@ -81,9 +81,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
         model_files.final(step)
         history, results = telemetry.history, evaluation.results
         metrics = {**describe_setup(engine, cfg.batch), **exactness,
-                   **({"batch_max_trials": [{"batch": b, "fits": ok, "peak_bytes": p, "why": why}
-                                            for b, ok, p, why in setup.batch_search.trials]}
-                      if setup.batch_search else {}),
+                   **({"batch_max_trials": setup.batch_search.records()} if setup.batch_search else {}),
                    **summarize(history, results, data, cfg.batch, step)}
         if datafeed.record(data):
             metrics["data"] = datafeed.record(data)
