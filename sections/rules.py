@@ -197,10 +197,11 @@ def resolve_boundaries(boundaries: Mapping[str, int], names: Sequence[str]) -> l
 def default_probe_batch(real: int) -> int:
     """Examples the planner probes when not told: the whole batch up to 64, else 64 times the largest power of two
     within a quarter of it (64 up to batch 511, 128 up to 1023, ...: ``batch=max``'s trials in one such range reuse
-    each other's probes), its figures scaled up (dry steps run the real batch). A probe at the full batch that the device has no memory
-    for waits out the allocator's retry and measures nothing: keras.applications ResNet50 at batch 240 on a 2 GiB
-    device planned in 8.5 minutes probing 64 against 30 at 240, its plan as fast; the notebook ResNet at 2048 on
-    0.30 of whole's peak planned in 2.2 minutes at 512 and 2.1 at 2048, its steps 10.1 s and 10.4 s."""
+    each other's probes), its figures scaled up (dry steps run the real batch). A probe at the full batch that the
+    device has no memory for waits out the allocator's retry and measures nothing: keras.applications ResNet50 at
+    batch 240 on a 2 GiB device planned in 8.5 minutes probing 64 against 30 at 240, its plan as fast; the notebook
+    ResNet at 2048 on 0.30 of whole's peak planned in 2.2 minutes at 512 and 2.1 at 2048, its steps 10.1 s and
+    10.4 s."""
     return real if real <= 64 else 64 << max(0, (real // 4 // 64).bit_length() - 1)
 
 

@@ -210,8 +210,8 @@ class Engine(Trainer):
         # they share the device): every step's peak includes it, so the first plan does too (dry steps correct it).
         resident = max(0, self.meter.current() - costs.base_bytes)
         began = time.perf_counter()
-        small, profiles = profile(self.network, batch, self.request.probe_batch or rules.default_probe_batch(real), real, self.meter, self.lean,
-                                  no_room)
+        probe_batch = self.request.probe_batch or rules.default_probe_batch(real)
+        small, profiles = profile(self.network, batch, probe_batch, real, self.meter, self.lean, no_room)
         profiled = time.perf_counter() - began
         probe = SectionProbe(self.network, small, real, self.meter, memo=probe_memo(self.network, small, self.lean))
         self.calibrator = Calibrator(profiles, probe, costs, self.memory_budget, self.budget_source, self.lean, self,
