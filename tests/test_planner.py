@@ -734,8 +734,9 @@ def test_planning_says_where_its_time_went(caplog):
 
 @pytest.mark.slow  # 20 s; test_the_advised_budget_fits_and_measured_steps_stay_within_it[1.0] is fast
 def test_a_plan_with_cuts_stays_within_its_budget_in_measured_steps():
-    """A budget halfway between the smallest that fits (the planner's advice) and one section's predicted peak:
-    the plan cuts, and its measured steps stay within the budget and within the prediction (its dry step) plus the
+    """A budget a quarter of the way from the smallest that fits (the planner's advice) to one section's predicted
+    peak (halfway, one section's dry step in the engine under test read 36 MiB against a 40-41.6 MiB budget once,
+    and it ran uncut): the plan cuts, and its measured steps stay within the budget and within the prediction (its dry step) plus the
     spread the engine's fit rule leaves for it (``_spread``: with several inter-op threads, at least the largest
     block output; steps read 0.2% over the dry step alone with oneDNN off)."""
     from sections.schedule.planner import NoPlanFits
@@ -748,7 +749,7 @@ def test_a_plan_with_cuts_stays_within_its_budget_in_measured_steps():
         Engine(conv_stack(depth=16), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
                memory_budget="1MiB").build(batch)
     assert refused.value.advised < one.plan.predicted_peak, "no room between the floor and one section"
-    budget = (refused.value.advised + one.plan.predicted_peak) // 2
+    budget = refused.value.advised + (one.plan.predicted_peak - refused.value.advised) // 4
     del one
     engine = Engine(conv_stack(depth=16), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
                     memory_budget=budget)
