@@ -100,8 +100,17 @@ def test_the_failing_allocation_is_read_from_tensorflows_message():
     assert requested_bytes(RuntimeError("something else")) == (None, "")
 
 
+@pytest.fixture
+def no_gc(monkeypatch):
+    """The search frees each trial's engine with ``gc.collect()``: a full collection with TensorFlow loaded costs
+    about 0.15 s, seconds over a search whose trials here hold nothing."""
+    from runner.run import batch_max
+
+    monkeypatch.setattr(batch_max.gc, "collect", lambda *args: 0)
+
+
 @pytest.mark.parametrize("fits_up_to, replicas", [(700, 1), (33, 1), (5000, 2), (1, 1), (64, 8), (20, 1)])
-def test_batch_max_finds_the_largest_batch_that_fits(fits_up_to, replicas):
+def test_batch_max_finds_the_largest_batch_that_fits(fits_up_to, replicas, no_gc):
     """The search ends within its tolerance of the true largest batch (a multiple of the replicas), in a few
     trials, and hands back the engine its trial built."""
     from runner.run.batch_max import TOLERANCE
@@ -119,7 +128,7 @@ def test_batch_max_finds_the_largest_batch_that_fits(fits_up_to, replicas):
     assert len(search.trials) <= 10, search.trials
 
 
-def test_batch_max_checks_its_best_trial_again_after_the_later_ones_and_searches_below_it_if_it_no_longer_fits():
+def test_batch_max_checks_its_best_trial_again_after_the_later_ones_and_searches_below_it_if_it_no_longer_fits(no_gc):
     """ResNet50 on a 1 GiB device: batch 32 fitted (888 MiB), five larger trials ran out of memory, and the run's
     first step at 32 ran out too. The best trial's engine steps once more after the search; failing, the batch
     counts as not fitting and the search continues below it, ending on a batch checked last."""
@@ -174,7 +183,7 @@ def test_batch_max_trials_share_one_optimizer(monkeypatch):
 @pytest.mark.parametrize("per_example_mib, fixed_mib, held_mib, budget_mib", [
     (6.0, 300, 200, 1946), (6.0, 300, 0, 3891), (0.35, 100, 60, 973), (1.7, 40, 400, 3891), (20.0, 500, 0, 973)])
 def test_batch_max_with_floors_lands_within_the_tolerance_in_a_few_trials(per_example_mib, fixed_mib, held_mib,
-                                                                          budget_mib):
+                                                                          budget_mib, no_gc):
     """`sections=auto` trials report their floor, the least memory any plan at their batch needs: fixed (variables
     and slots, which the trial names), what else the device holds (which it does not), and the activations, growing
     with the batch. The search aims at where the floors' line meets the plans' line and ends within the tolerance
@@ -205,7 +214,7 @@ def test_batch_max_with_floors_lands_within_the_tolerance_in_a_few_trials(per_ex
     assert "floor_bytes" not in doubling.records()[0]
 
 
-def test_batch_max_guided_by_floors_that_mislead_still_ends_within_the_tolerance():
+def test_batch_max_guided_by_floors_that_mislead_still_ends_within_the_tolerance(no_gc):
     """Floors that say every batch fits (a plan's dry steps decide otherwise) or that grow far faster than the
     batch: the search still brackets the true largest batch by halving."""
     from types import SimpleNamespace
@@ -221,7 +230,7 @@ def test_batch_max_guided_by_floors_that_mislead_still_ends_within_the_tolerance
         assert 700 / (1 + TOLERANCE) <= batch <= 700 and len(search.trials) <= 10, (slope, search.trials)
 
 
-def test_batch_max_stops_at_the_data_size():
+def test_batch_max_stops_at_the_data_size(no_gc):
     (batch, engine), search = largest_batch(lambda b: (True, b, "", b), 1, cap=300)
     assert batch == 300 and engine == 300 and search.trials[-1][0] == 300
 
