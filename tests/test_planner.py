@@ -520,22 +520,28 @@ def test_a_step_over_the_prediction_but_inside_the_budget_keeps_its_plan_when_no
         engine.calibrator.replan_if_over(plan.budget + MiB)
 
 
+def _record_block_probes(monkeypatch) -> list:
+    """Each block probe's (probe slice, real batch), as the planner runs them."""
+    from sections.step import calibrate
+
+    seen = []
+    real = calibrate.profile_blocks
+
+    def recording(network, small, real_batch, meter):
+        seen.append((int(small[network.inputs].shape[0]), real_batch))
+        return real(network, small, real_batch, meter)
+
+    monkeypatch.setattr(calibrate, "profile_blocks", recording)
+    return seen
+
+
 @pytest.mark.parametrize("batch, probe_batch, expected", [(48, None, 48), (96, None, 64), (400, None, 64),
                                                            (1000, None, 128), (96, 16, 16)])
 def test_the_probe_runs_the_batch_up_to_64_else_64_times_a_power_of_two_unless_told(monkeypatch, batch, probe_batch,
                                                                                    expected):
     """The planner's probes run the real batch up to 64 examples, else 64 times the largest power of two within a
     quarter of it, scaled up; ``probe_batch`` says otherwise."""
-    from sections.step import calibrate as _engine
-
-    seen = []
-    real = _engine.profile_blocks
-
-    def recording(network, small, real_batch, meter):
-        seen.append((int(small[network.inputs].shape[0]), real_batch))
-        return real(network, small, real_batch, meter)
-
-    monkeypatch.setattr(_engine, "profile_blocks", recording)
+    seen = _record_block_probes(monkeypatch)
     engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB",
                     probe_batch=probe_batch)
     engine.build(make_batch(n=batch, size=8, classes=10))
@@ -546,16 +552,7 @@ def test_a_second_engine_on_the_network_reuses_the_probes_of_a_slice_of_the_same
     """``batch=max`` plans one engine per trial batch on one network: trials whose probe slices have the same shapes
     (64 examples from batch 65 to 511) take the block and section figures of the first, scaled to their batch,
     instead of tracing and running them again; a slice of other shapes is probed anew."""
-    from sections.step import calibrate
-
-    calls = []
-    real = calibrate.profile_blocks
-
-    def counting(network, small, real_batch, meter):
-        calls.append((int(small[network.inputs].shape[0]), real_batch))
-        return real(network, small, real_batch, meter)
-
-    monkeypatch.setattr(calibrate, "profile_blocks", counting)
+    calls = _record_block_probes(monkeypatch)
     net = conv_stack(depth=4)
     engines = {}
     for n in (96, 192, 48):

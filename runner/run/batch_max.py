@@ -148,15 +148,16 @@ def largest_batch(try_batch, replicas: int, cap: int | None = None, budget: int 
     kept = None
     while True:
         while batch is not None and len(search.trials) < MAX_TRIALS:
-            fits, peak, why, engine, *floor = try_batch(batch)
+            fits, peak, why, engine, *rest = try_batch(batch)
+            floor = rest[0] if rest else None
             search.trials.append((batch, fits, peak, why))
-            if floor and floor[0] is not None:
-                search.floors[batch] = floor[0]
+            if floor is not None:
+                search.floors[batch] = floor
             guess = predicted(search)
             log.info(f"batch=max: batch {batch} {'fits' if fits else 'does not fit'}"
                      + (f" ({why})" if why else "")
-                     + (f"; its floor {human_bytes(floor[0].least)} against {human_bytes(floor[0].line)}, the floors "
-                        f"predict about {int(guess)}" if floor and floor[0] is not None and guess else ""))
+                     + (f"; its floor {human_bytes(floor.least)} against {human_bytes(floor.line)}, the floors "
+                        f"predict about {int(guess)}" if floor is not None and guess else ""))
             if fits:
                 kept = None  # the smaller batch's engine is freed before the larger one is kept
                 gc.collect()

@@ -149,15 +149,17 @@ class SectionProbe:
 
     def __call__(self, start: int, stop: int) -> int:
         span = (start, stop)
-        if span not in self.measured and span in self.memo.sections:
-            used, spread = self.memo.sections[span]
-            scale = self.real / self.pb
-            self.measured[span], self.spread[span] = int(used * scale), int(spread * scale)
-            self.reused += 1
         if span not in self.measured:
-            began = time.perf_counter()
-            self._measure(start, stop)
-            self.seconds += time.perf_counter() - began
+            if span in self.memo.sections:
+                self.reused += 1
+            else:
+                began = time.perf_counter()
+                self._measure(start, stop)
+                self.seconds += time.perf_counter() - began
+            if span in self.memo.sections:  # not where the device had no memory for it
+                used, spread = self.memo.sections[span]
+                scale = self.real / self.pb
+                self.measured[span], self.spread[span] = int(used * scale), int(spread * scale)
         return self.measured[span]
 
     def _measure(self, start: int, stop: int) -> None:
@@ -193,10 +195,7 @@ class SectionProbe:
             self.measured[(start, stop)], self.spread[(start, stop)] = DOES_NOT_FIT, 0
             self.ran_out += 1
             return
-        scale = self.real / self.pb
         self.memo.sections[(start, stop)] = (max(max(used) - upstream, 0), max(used) - min(used))
-        self.measured[(start, stop)] = int(self.memo.sections[(start, stop)][0] * scale)
-        self.spread[(start, stop)] = int(self.memo.sections[(start, stop)][1] * scale)
 
     def largest_spread(self) -> int:
         """The largest difference between repeated runs of one section (the executor's op order), bytes."""
