@@ -567,6 +567,7 @@ def test_a_second_engine_on_the_network_reuses_the_probes_of_a_slice_of_the_same
     for span in shared:
         assert abs(second.section_probe.measured[span] - 2 * first.section_probe.measured[span]) <= 2
     assert "reused from an earlier engine's" in second.planning_summary()
+    assert "block probe reused" in second.planning_summary() and "block probe reused" not in first.planning_summary()
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "64", True])

@@ -101,19 +101,19 @@ class DryRun:
     spread: int = 0  # what this plan's measurements varied by (``Calibrator.plan_spread``)
 
 
-def profile(network, batch, probe: int, real: int, meter, lean, budget_note: str) -> tuple[dict, list]:
+def profile(network, batch, probe: int, real: int, meter, lean, budget_note: str) -> tuple[dict, list, bool]:
     """The per-block probe at ``probe`` examples; where the device has no memory for it, at half as many (down to
     one), its figures scaled to the real batch (an earlier engine's on this network, rescaled, where it probed a
-    slice of the same shapes: ``ProbeMemo``). Returns the probe slice and the profiles."""
+    slice of the same shapes: ``ProbeMemo``). Returns the probe slice, the profiles and whether they were reused."""
     while True:
         small, _ = probe_slice(network, batch, probe)
         memo = probe_memo(network, small, lean)
         if memo.blocks is not None:  # an earlier engine on this network probed a slice of these shapes
-            return small, rescaled(memo.blocks, memo.real, real)
+            return small, rescaled(memo.blocks, memo.real, real), True
         try:
             with lean_scope(lean):  # the blocks measured as the sections will run them
                 memo.blocks, memo.real = profile_blocks(network, small, real, meter), real
-                return small, memo.blocks
+                return small, memo.blocks, False
         except tf.errors.ResourceExhaustedError as err:
             release(err)
             if probe == 1:
@@ -149,6 +149,7 @@ class Calibrator:
         # Time spent planning (the section probe's own: ``section_probe.seconds``); plain probes: ``try_plain``'s.
         self.seconds = {"block probe": 0.0, "plain probes": 0.0, "dry steps": 0.0}
         self.dry_steps = self.dry_ran_out = self.plain_probes = 0
+        self.block_probe_reused = False  # the block figures came from an earlier engine's probe (``profile``)
         self.refusal: NoPlanFits | None = None
         try:
             self.plan = self.make_plan()
@@ -293,7 +294,8 @@ class Calibrator:
             return f" ({n} out of device memory)" if n else ""
 
         reused = f" (and {probe.reused} reused from an earlier engine's)" if probe.reused else ""
-        return (f"planned in {t(self.planning_seconds())}: block probe {t(self.seconds['block probe'])}, "
+        block = "reused" if self.block_probe_reused else t(self.seconds["block probe"])
+        return (f"planned in {t(self.planning_seconds())}: block probe {block}, "
                 f"{len(probe.measured) - probe.reused} section probes{ran_out(probe.ran_out)} {t(probe.seconds)}"
                 f"{reused}, "
                 + (f"{self.plain_probes} without lean gradients {t(self.seconds['plain probes'])}, "

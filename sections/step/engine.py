@@ -211,13 +211,14 @@ class Engine(Trainer):
         resident = max(0, self.meter.current() - costs.base_bytes)
         began = time.perf_counter()
         probe_batch = self.request.probe_batch or rules.default_probe_batch(real)
-        small, profiles = profile(self.network, batch, probe_batch, real, self.meter, self.lean, no_room)
+        small, profiles, reused = profile(self.network, batch, probe_batch, real, self.meter, self.lean, no_room)
         profiled = time.perf_counter() - began
         probe = SectionProbe(self.network, small, real, self.meter, memo=probe_memo(self.network, small, self.lean))
         self.calibrator = Calibrator(profiles, probe, costs, self.memory_budget, self.budget_source, self.lean, self,
                                      resident=resident,
                                      device_limit=self.device_memory.total if self.device_memory.hard else None)
         self.calibrator.seconds["block probe"] = profiled
+        self.calibrator.block_probe_reused = reused
         return self.calibrator.plan.schedule
 
     def build(self, batch) -> None:
