@@ -915,26 +915,27 @@ def test_sections_that_fit_without_lean_gradients_run_plain_where_their_dry_step
     assert max(peaks) <= engine.memory_budget, peaks
 
 
-@pytest.mark.parametrize("room", [True, False], ids=["room", "no-room"])
-def test_a_section_whose_activations_without_lean_gradients_fit_the_budget_is_dry_run_plain(monkeypatch, room):
+@pytest.mark.parametrize("case", ["room", "room-within-noise", "no-room"])
+def test_a_section_whose_activations_without_lean_gradients_fit_the_budget_is_dry_run_plain(monkeypatch, case):
     """Lean gradients keep less but re-run layers in the backward (on the notebook ResNet with oneDNN off, a step
-    8.2 s against 7.2 s plain): where the budget has room for a section's activations without them, beside what
-    the plan holds, the plan is dry-run with that section plain, and runs so where that dry step was faster
-    (timed, here scripted); where the budget has no room for them (scripted: the probe without lean gradients
-    reads a thousand times its figure), it is not tried."""
+    8.32 s against 7.43 s plain): where the budget has room for a section's activations without them, beside what
+    the plan holds, the plan is dry-run with that section plain, and runs so where that dry step was faster, or
+    within the timing's noise (timed, here scripted); where the budget has no room for them (scripted: the probe
+    without lean gradients reads a thousand times its figure), it is not tried."""
     from sections.backend.lean import lean_active
     from sections.backend.profile import SectionProbe
 
     measure_dry = Engine.dry_step
     tried = []
+    plain_seconds = 2.08 if case == "room-within-noise" else 1.0  # the lean plan's: 2.0
 
     def timed(self, b):
         dry = measure_dry(self, b)
         tried.append(self.schedule.plain)
-        return replace(dry, seconds=1.0 if self.schedule.plain else 2.0)
+        return replace(dry, seconds=plain_seconds if self.schedule.plain else 2.0)
 
     monkeypatch.setattr(Engine, "dry_step", timed)
-    if not room:
+    if case == "no-room":
         probe = SectionProbe.__call__
         monkeypatch.setattr(SectionProbe, "__call__",
                             lambda self, s, t: probe(self, s, t) * (1 if lean_active() else 1000))
@@ -942,7 +943,7 @@ def test_a_section_whose_activations_without_lean_gradients_fit_the_budget_is_dr
                     lean="recompute")
     engine.build(make_batch(n=64, size=32, classes=10))
     assert engine.schedule.num_sections == 1, engine.describe()
-    if room:
-        assert tried[-1] == frozenset({0}) and engine.schedule.plain == frozenset({0}), (tried, engine.describe())
-    else:
+    if case == "no-room":
         assert tried and all(not plain for plain in tried) and engine.schedule.plain == frozenset(), tried
+    else:
+        assert tried[-1] == frozenset({0}) and engine.schedule.plain == frozenset({0}), (tried, engine.describe())
