@@ -53,6 +53,13 @@ def configure(environ: MutableMapping[str, str] | None = None, tensorflow_loaded
     return describe(env)
 
 
+def onednn_off(environ=None) -> bool:
+    """Whether ``TF_ENABLE_ONEDNN_OPTS`` turns oneDNN's kernels off (unset: TensorFlow's own choice, not read as
+    off; ``configure`` sets it on x86)."""
+    env = os.environ if environ is None else environ
+    return env.get(ONEDNN, "").strip().lower() in ("0", "false")
+
+
 def describe(environ=None) -> str:
     """``CPU allocator: TF_CPU_ALLOCATOR_USE_BFC=true (set by sectionflow), TF_ENABLE_ONEDNN_OPTS unset``."""
     env = os.environ if environ is None else environ

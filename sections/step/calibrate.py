@@ -12,6 +12,7 @@ from typing import Protocol
 import tensorflow as tf
 
 from .. import rules
+from ..allocator import onednn_off
 from ..backend.device import OutOfMemory, release
 from ..backend.lean import lean_scope
 from ..backend.memory import one_op_order
@@ -498,14 +499,17 @@ class Calibrator:
 def fastest(runs: list[DryRun]) -> DryRun:
     """Of dry-step runs that fit, the one to keep: of those re-running nothing if any (the fastest by construction:
     a timing's noise must not say otherwise), else of all, those timed within ``TIME_NOISE`` of the fastest; of
-    those, the one re-running fewest forwards, then with the most plain sections (no layer re-run in the backward:
-    on the notebook ResNet with oneDNN off, lean and plain dry steps read 8.22 s and 8.25 s where their steps ran
-    8.7 s and 7.3 s), then faster, then smaller."""
+    those, the one re-running fewest forwards, then with the most plain sections where oneDNN is off (the fewest
+    where it is on), then faster, then smaller. A dry step's two runs do not separate lean from plain sections
+    (their heaps settle over more runs): on the notebook ResNet at batch 2048 with oneDNN off they read 8.22 s lean
+    and 8.25 s plain where steps run 8.32 s and 7.43 s; with oneDNN on, 4.55 s and 4.64 s where steps run 4.03 s
+    and 4.95 s (its fused batch-norm kernel)."""
     quiet = [run for run in runs if not _reruns(run.plan)] or runs
     best = min(run.seconds for run in quiet)
     near = [run for run in quiet if run.seconds <= best * (1 + TIME_NOISE)]
-    return min(near, key=lambda run: (sum(run.plan.forward_runs), -len(run.plan.schedule.plain), run.seconds,
-                                      run.peak))
+    lean_faster = 1 if not onednn_off() else -1
+    return min(near, key=lambda run: (sum(run.plan.forward_runs), lean_faster * len(run.plan.schedule.plain),
+                                      run.seconds, run.peak))
 
 
 def _reruns(plan: Plan) -> bool:
