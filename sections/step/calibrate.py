@@ -397,7 +397,8 @@ class Calibrator:
         what the plan holds while it runs (the planner's figure, its fixed cost taken from the dry step)."""
         plan = chosen.plan
         line = int((1.0 - plan.margin) * self.budget) - self.run_spread()
-        return {span: line - (held - plan.extra_bytes + chosen.extra) for span, held in zip(plan.leaves, plan.leaf_held)}
+        fixed = chosen.extra - plan.extra_bytes
+        return {span: line - (held + fixed) for span, held in zip(plan.leaves, plan.leaf_held)}
 
     # ------------------------------------------------------------------ the fit rule
     def run_spread(self, spread: int | None = None) -> int:
