@@ -957,3 +957,28 @@ def test_a_section_whose_activations_without_lean_gradients_fit_the_budget_is_dr
         assert frozenset({0}) in tried and engine.schedule.plain == frozenset(), (tried, engine.describe())
     else:
         assert tried[-1] == frozenset({0}) and engine.schedule.plain == frozenset({0}), (tried, engine.describe())
+
+
+def test_where_a_sliced_probes_plan_ran_out_and_none_is_left_the_whole_batch_is_probed_before_refusing(monkeypatch,
+                                                                                                    caplog):
+    """Figures scaled from a probe slice can mislead (the runner's small ResNet at batch 496 on a 350 MiB device: the
+    slice's plan ran out of memory and no plan was left; probed at 496, a plan held 263 MiB): where a dry step ran
+    out and nothing fits, the engine probes the whole batch once before it refuses (scripted here: every dry step
+    of a plan made from the slice runs out)."""
+    from sections.step.executor import DryStep
+
+    seen = _record_block_probes(monkeypatch)
+    measure_dry = Engine.dry_step
+
+    def sliced_runs_out(self, b):
+        if self.calibrator.section_probe.pb < self.borders.real_batch:
+            return DryStep(self.memory_budget + 1, math.inf, 0, ran_out=True)
+        return measure_dry(self, b)
+
+    monkeypatch.setattr(Engine, "dry_step", sliced_runs_out)
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="1GiB")
+    with caplog.at_level("WARNING", logger="sections"):
+        engine.build(make_batch(n=96, size=8, classes=10))
+    assert seen == [(64, 96), (96, 96)], seen
+    assert "probing the whole batch (96)" in caplog.text
+    assert engine.calibrator.refusal is None and engine.calibrator.section_probe.pb == 96

@@ -122,6 +122,7 @@ class Engine(Trainer):
             self.request = replace(self.request, policies=policies)
         #: Planning (``sections="auto"``; made at build), else None.
         self.calibrator: Calibrator | None = None
+        self._whole_batch_probe = False  # a refusal after a sliced probe's plan ran out: probed again at the batch
         #: Running: the compiled program's steps.
         self.executor = Executor(network, optimizer, self.replicas, self.meter, self._scale_loss, check=bool(check),
                                  jit_compile=self.jit_compile, apply_reason=apply_reason,
@@ -210,7 +211,7 @@ class Engine(Trainer):
         # they share the device): every step's peak includes it, so the first plan does too (dry steps correct it).
         resident = max(0, self.meter.current() - costs.base_bytes)
         began = time.perf_counter()
-        probe_batch = self.request.probe_batch or rules.default_probe_batch(real)
+        probe_batch = self.request.probe_batch or (real if self._whole_batch_probe else rules.default_probe_batch(real))
         small, profiles, reused = profile(self.network, batch, probe_batch, real, self.meter, self.lean, no_room)
         profiled = time.perf_counter() - began
         probe = SectionProbe(self.network, small, real, self.meter, memo=probe_memo(self.network, small, self.lean))
@@ -236,6 +237,16 @@ class Engine(Trainer):
         log.info(calibrator.planning_summary())
         if calibrator.refusal is not None:
             self._built = False
+            real = self.borders.real_batch
+            if (calibrator.dry_ran_out and not self._whole_batch_probe and self.request.probe_batch is None
+                    and rules.default_probe_batch(real) < real):
+                # Figures scaled from a slice can mislead where the whole batch does not (the runner's small ResNet
+                # at 496 on a 350 MiB device: the slice's plan ran out and none was left; probing 496, a 4-section
+                # plan held 316 MiB): once, where a plan ran out, the batch itself is probed before refusing.
+                log.warning(f"no plan fits on figures scaled from a probe of {rules.default_probe_batch(real)} "
+                            f"examples after a dry step ran out of device memory: probing the whole batch ({real})")
+                self._whole_batch_probe = True
+                return self.build(batch)
             raise calibrator.refusal
 
     # ------------------------------------------------------------------ compiling, and what calibration runs
