@@ -1,9 +1,12 @@
 """`python -m runner [overrides]`: see `runner.app`."""
 
+import faulthandler
 import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# A crash in a kernel (oneDNN's under an emulated device's limit, say) prints the Python stack it came from.
+faulthandler.enable()
 
 from sections.allocator import configure  # noqa: E402  (plain Python: TensorFlow is not loaded yet)
 

@@ -72,7 +72,12 @@ def describe(environ=None) -> str:
         return f"{key}={value}" + (" (set by sectionflow)" if key in ours else " (yours)")
 
     limit = f", {show(LIMIT)}{limit_not_in_force(env)}" if env.get(LIMIT) is not None else ""
-    return f"CPU allocator: {show(BFC)}, {show(ONEDNN)}{limit}"
+    crash = ""
+    if cpu_limit(env) is not None and not onednn_off(env) and env.get(ONEDNN) is not None:
+        # TensorFlow's oneDNN kernels do not check a failed scratch allocation: the process dies (SIGSEGV).
+        crash = (f" (oneDNN's kernels under a limit can crash the process where an allocation fails; "
+                 f"{ONEDNN}=0 avoids it)")
+    return f"CPU allocator: {show(BFC)}, {show(ONEDNN)}{limit}{crash}"
 
 
 def limit_not_in_force(environ=None) -> str:

@@ -65,6 +65,9 @@ def test_an_emulated_device_turns_bfc_on_and_onednn_off_unless_the_user_chose():
     assert cpu_limit({LIMIT: "512"}) is None, "without the BFC allocator TensorFlow ignores the limit"
     assert cpu_limit({LIMIT: "lots", BFC: "true"}) is None
     assert "not in force" not in describe(env)
+    assert "crash" not in describe(env)
+    assert describe(mine).endswith(f"(oneDNN's kernels under a limit can crash the process where an allocation "
+                                   f"fails; {ONEDNN}=0 avoids it)"), "the user's oneDNN under a limit is warned of"
 
 
 def test_a_limit_no_allocator_reads_is_said_to_be_not_in_force():
@@ -76,6 +79,16 @@ def test_a_limit_no_allocator_reads_is_said_to_be_not_in_force():
     assert describe(late).endswith(f"{LIMIT}=2048 (yours) (not in force: only the BFC allocator reads it, and {BFC} "
                                    f"is not true; set {BFC}=true before TensorFlow loads)")
     assert describe({LIMIT: "2GiB", BFC: "true"}).endswith("(not in force: not a positive whole number of MiB)")
+
+
+def test_a_crash_in_a_kernel_prints_the_python_stack_it_came_from():
+    """oneDNN's kernels kill the process (SIGSEGV) where an allocation under a limit fails: the runner's process
+    says where in Python that happened (here a crash in a C call made right after the runner's module loaded)."""
+    code = "import ctypes, runner.__main__\nctypes.string_at(0)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "Fatal Python error: Segmentation fault" in done.stderr
+    assert 'File "<string>", line 2' in done.stderr
 
 
 def test_the_budget_comes_from_the_device():
