@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from sections import Engine, parse_bytes, plan_schedule
+from sections import BudgetExceededError, Engine, parse_bytes, plan_schedule
 from sections.backend.profile import BlockProfile
 from sections.schedule.program import count_forward_runs
 from engine_nets import conv_stack, make_batch
@@ -522,6 +522,75 @@ def test_a_step_over_the_prediction_but_inside_the_budget_keeps_its_plan_when_no
         engine.calibrator.replan_if_over(plan.budget + MiB)
 
 
+def test_a_step_over_a_budget_taken_from_a_hard_device_but_within_the_device_keeps_its_plan(monkeypatch):
+    """The small ResNet at 512 on a 350 MiB device (no budget given: the device less 5%): a step read 342.6 MiB
+    against a 332.5 MiB budget, within the device, and no corrected plan fitted; the run stopped. A step that fits
+    the device goes on (one that runs out of memory is re-planned and run again); a budget the user asked for
+    still stops it, and so does a step past the device."""
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
+    engine.build(make_batch(n=32, size=8, classes=10))
+    engine.replans.clear()  # what build's dry steps chose, not tested here
+    plan, cal = engine.plan, engine.calibrator
+
+    def nothing_fits(scale=1.0):
+        raise ValueError("no partition fits")
+
+    monkeypatch.setattr(cal, "make_plan", nothing_fits)
+    cal.device_limit = plan.budget + 20 * MiB
+    with pytest.raises(BudgetExceededError, match="and the budget"):  # "given": the user's own budget
+        cal.replan_if_over(plan.budget + MiB)
+    cal.budget_source = "the device's memory, CPU:0: 10.0 GiB (TF_CPU_BFC_MEM_LIMIT_IN_MB=10260), less 5% headroom"
+    assert cal.replan_if_over(plan.budget + MiB) is None
+    assert engine.plan is plan and "but not the device's" in engine.replans[0] and len(engine.replans) == 1
+    cal.replan_if_over(plan.budget + 2 * MiB)
+    assert len(engine.replans) == 1, "said once"
+    with pytest.raises(BudgetExceededError, match="and the budget"):  # past the device
+        cal.replan_if_over(cal.device_limit + MiB)
+    cal.budget_source = "0.8 of the device's memory, CPU:0: 10.0 GiB"  # a fraction the user asked for
+    with pytest.raises(BudgetExceededError, match="and the budget"):
+        cal.replan_if_over(plan.budget + MiB)
+
+
+def test_where_no_dry_run_plan_fits_the_plan_nearest_the_floor_is_dry_run_before_refusing(monkeypatch):
+    """The small ResNet at 512 on a 350 MiB device: plans of 5 and 6 sections read 332.6 and 332.7 MiB against a
+    332.5 MiB budget, the correction from them led back to the same plan, and the run was refused where a plan
+    re-running more held 265 MiB. Here the model's plan (two sections) reads just over the budget, dry step after
+    dry step; the plan nearest the least memory reachable is dry-run, fits and trains."""
+    from sections.schedule.planner import NoPlanFits
+    from sections.schedule.policies import Recompute
+    from sections.schedule.program import Schedule
+    from sections.step import calibrate
+
+    two = Schedule((2,), (Recompute(), Recompute()))
+    real_plan = calibrate.Calibrator.make_plan
+
+    def scripted(self, scale=1.0, margin=None, budget=None):
+        if budget is not None:
+            return real_plan(self, scale, margin, budget)
+        try:
+            plan = real_plan(self, scale, margin)
+        except NoPlanFits as err:  # the correction from a dry step over the budget: the model leads back to two
+            plan = err.plan
+        return replace(plan, schedule=two, forward_runs=tuple(count_forward_runs(two)))
+
+    monkeypatch.setattr(calibrate.Calibrator, "make_plan", scripted)
+    monkeypatch.setattr(calibrate.Calibrator, "try_bolder", lambda self, batch, runs: None)
+    monkeypatch.setattr(calibrate.Calibrator, "try_plain", lambda self, batch, chosen, runs: False)
+    dry_runs = []
+    measure_dry = Engine.dry_step
+
+    def two_over_the_budget(self, b):
+        dry_runs.append(self.schedule)
+        dry = measure_dry(self, b)
+        return replace(dry, peak=self.calibrator.budget + 2**10) if self.schedule == two else dry
+
+    monkeypatch.setattr(Engine, "dry_step", two_over_the_budget)
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
+    engine.build(make_batch(n=8, size=8, classes=10))
+    assert dry_runs[0] == two and engine.schedule != two and engine.schedule == dry_runs[-1], dry_runs
+    engine.train_step(make_batch(n=8, size=8, classes=10))
+
+
 def _record_block_probes(monkeypatch) -> list:
     """Each block probe's (probe slice, real batch), as the planner runs them."""
     from sections.step import calibrate
@@ -582,7 +651,6 @@ def test_bad_probe_batch_is_one_clear_error(bad):
 def test_every_step_is_checked_against_the_budget(monkeypatch):
     """Only the first step used to be checked: later steps over the budget went unnoticed. A later step over the
     budget now re-plans with corrected costs, or stops in one line when no corrected plan fits."""
-    from sections import BudgetExceededError
 
     batch = make_batch(n=32, size=8, classes=10)
     engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="64MiB")
@@ -599,7 +667,6 @@ def test_every_step_is_checked_against_the_budget(monkeypatch):
 
 
 def test_corrections_of_the_cost_model_are_bounded(monkeypatch):
-    from sections import BudgetExceededError
     from sections.step.calibrate import MAX_REPLANS
 
     engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB")
@@ -731,6 +798,11 @@ def test_planning_says_where_its_time_went(caplog):
     assert len(summary) == 1 and f"{probes} section probes" in summary[0] and "dry steps" in summary[0], summary
     assert any(r.message.startswith("a dry step of ") and " measured " in r.message for r in caplog.records)
     assert engine.planning_seconds > engine.section_probe.seconds > 0
+    # Said as each part begins too: the probes of a large model run for minutes before the first dry step ends.
+    messages = [r.message for r in caplog.records]
+    first_dry = next(i for i, m in enumerate(messages) if m.startswith("a dry step of "))
+    assert messages.index("planning: probing 5 blocks at 8 examples") < first_dry, messages
+    assert any(m.startswith("planning: dry steps check the plan of ") for m in messages[:first_dry]), messages
 
 
 @pytest.mark.slow  # 20 s; test_the_advised_budget_fits_and_measured_steps_stay_within_it[1.0] is fast
@@ -959,12 +1031,39 @@ def test_a_section_whose_activations_without_lean_gradients_fit_the_budget_is_dr
         assert tried[-1] == frozenset({0}) and engine.schedule.plain == frozenset({0}), (tried, engine.describe())
 
 
-def test_where_a_sliced_probes_plan_ran_out_and_none_is_left_the_whole_batch_is_probed_before_refusing(monkeypatch,
-                                                                                                    caplog):
+def test_planning_again_does_not_dry_run_the_plain_plan_it_started_from_twice(monkeypatch):
+    """A re-plan after a step ran out of memory starts from the plan in force; where that plan has plain sections,
+    the plain variant is not dry-run a second time (on the small ResNet at 512 both ran out, each waiting out the
+    allocator's retry: a minute)."""
+    from sections.step.engine import _as_tensors
+
+    measure_dry = Engine.dry_step
+    tried = []
+
+    def timed(self, b):
+        dry = measure_dry(self, b)
+        tried.append(self.schedule.plain)
+        return replace(dry, seconds=1.0 if self.schedule.plain else 2.0)
+
+    monkeypatch.setattr(Engine, "dry_step", timed)
+    engine = Engine(conv_stack(depth=6), keras.optimizers.SGD(0.1), sections="auto", memory_budget="10GiB",
+                    lean="recompute")
+    batch = make_batch(n=64, size=32, classes=10)
+    engine.build(batch)
+    assert engine.schedule.plain == frozenset({0}), engine.describe()
+    tried.clear()
+    engine.calibrator.calibrate(engine.replicas.split(dict(_as_tensors(engine.network, batch))))
+    assert tried == [frozenset({0})], tried
+
+
+@pytest.mark.parametrize("ran_out", [True, False], ids=["ran_out", "over_the_budget"])
+def test_where_a_sliced_probes_plans_do_not_fit_and_none_is_left_the_whole_batch_is_probed_before_refusing(
+        monkeypatch, caplog, ran_out):
     """Figures scaled from a probe slice can mislead (the runner's small ResNet at batch 496 on a 350 MiB device: the
-    slice's plan ran out of memory and no plan was left; probed at 496, a plan held 263 MiB): where a dry step ran
-    out and nothing fits, the engine probes the whole batch once before it refuses (scripted here: every dry step
-    of a plan made from the slice runs out)."""
+    slice's plan ran out of memory and no plan was left; probed at 496, a plan held 263 MiB; at 512, plans of 5 and
+    6 sections read 332.6-332.8 MiB against a 332.5 MiB budget): where dry steps ran and nothing fits, the engine
+    probes the whole batch once before it refuses (scripted here: every dry step of a plan made from the slice runs
+    out, or reads over the budget)."""
     from sections.step.executor import DryStep
 
     seen = _record_block_probes(monkeypatch)
@@ -972,7 +1071,9 @@ def test_where_a_sliced_probes_plan_ran_out_and_none_is_left_the_whole_batch_is_
 
     def sliced_runs_out(self, b):
         if self.calibrator.section_probe.pb < self.borders.real_batch:
-            return DryStep(self.memory_budget + 1, math.inf, 0, ran_out=True)
+            if ran_out:
+                return DryStep(self.memory_budget + 1, math.inf, 0, ran_out=True)
+            return DryStep(self.memory_budget + 2**10, 1.0, 2**10)
         return measure_dry(self, b)
 
     monkeypatch.setattr(Engine, "dry_step", sliced_runs_out)

@@ -111,6 +111,9 @@ def profile(network, batch, probe: int, real: int, meter, lean, budget_note: str
         memo = probe_memo(network, small, lean)
         if memo.blocks is not None:  # an earlier engine on this network probed a slice of these shapes
             return small, rescaled(memo.blocks, memo.real, real), True
+        # Said before it starts: on a large model the probes run for minutes before the first dry step is logged.
+        log.info(f"planning: probing {len(network.blocks)} blocks at {probe} examples"
+                 + (f" (figures scaled to {real})" if probe < real else ""))
         try:
             with lean_scope(lean):  # the blocks measured as the sections will run them
                 memo.blocks, memo.real = profile_blocks(network, small, real, meter), real
@@ -147,6 +150,7 @@ class Calibrator:
         self.dry_spread = 0  # the most a dry step's repeated runs differed (at least DRY_NOISE of its peak)
         self.measured_nothing = False  # a dry step read 0 bytes: nothing it allocated was counted
         self._plan_kept = False
+        self._kept_over_budget = False  # a step over a budget taken from the device, within the device, was said
         # Time spent planning (the section probe's own: ``section_probe.seconds``); plain probes: ``try_plain``'s.
         self.seconds = {"block probe": 0.0, "plain probes": 0.0, "dry steps": 0.0}
         self.dry_steps = self.dry_ran_out = self.plain_probes = 0
@@ -157,13 +161,13 @@ class Calibrator:
         except NoPlanFits as err:  # its smallest plan is dry-run before the refusal is told (Engine.build)
             self.plan, self.refusal = err.plan, err
 
-    def make_plan(self, scale: float = 1.0, margin: float | None = None) -> Plan:
+    def make_plan(self, scale: float = 1.0, margin: float | None = None, budget: int | None = None) -> Plan:
         """The planner's plan on the measured costs, activations scaled by ``scale``; ``margin``: the planner's
-        safety margin (its default where None)."""
+        safety margin (its default where None); ``budget``: another than the calibrator's."""
         options = {} if margin is None else {"margin": margin}
         costs = self.costs
         with lean_scope(self.lean):  # blocks and sections are measured (lazily, here) as the sections will run
-            return plan_measured(self.profiles, costs.input_bytes, self.budget, self.section_probe,
+            return plan_measured(self.profiles, costs.input_bytes, budget or self.budget, self.section_probe,
                                  spread=self.section_probe.largest_spread, base_bytes=costs.base_bytes,
                                  extra_bytes=self.fixed_extra, activation_scale=scale, grad_bytes=costs.grad_bytes,
                                  apply_bytes=costs.apply_bytes, **options)
@@ -197,6 +201,8 @@ class Calibrator:
         fit it. A dry step that reads 0 bytes (every allocation below the allocator's resolution) checks nothing:
         ``measured_nothing`` turns True."""
         runs: list[DryRun] = []
+        log.info(f"planning: dry steps check the plan of {_sections(self.plan)}, predicted to hold "
+                 f"{rules.human_bytes(self.plan.predicted_peak)} (budget {rules.human_bytes(self.budget)})")
         for _ in range(DRY_STEPS):
             measured, seconds, spread = self._measure(batch)
             if not measured:  # nothing counted: the plans fit on shapes alone
@@ -219,6 +225,8 @@ class Calibrator:
             self.trials.adopt(plan.schedule)
         self.try_bolder(batch, runs)
         chosen = self.choose(batch, runs)
+        if chosen is None and runs and self.try_floor(batch, runs):
+            chosen = self.choose(batch, runs)
         if chosen is not None and self.try_plain(batch, chosen, runs):
             chosen = self.choose(batch, runs)
         if chosen is not None:
@@ -355,6 +363,25 @@ class Calibrator:
         runs.append(DryRun(bold, measured, measured - (bold.predicted_peak - bold.extra_bytes),
                            self.trials.compiled, seconds, spread))
 
+    def try_floor(self, batch, runs: list[DryRun]) -> bool:
+        """Where no plan dry-run so far fits: one more dry step, of the plan nearest the least memory the model
+        reaches (it re-runs the most), unless one ran already. Plans a cut apart can hold alike (their peak lies
+        where neither cuts), and the correction learnt from them need not lead there: on the small ResNet at 512
+        on a 350 MiB device, plans of 5 and 6 sections read 332.6 and 332.7 MiB against a 332.5 MiB budget and
+        the run was refused, where another process's plan re-running more held 265 MiB. False where none ran."""
+        try:
+            plan = self.make_plan(self.activation_scale, margin=0.0, budget=1)
+        except NoPlanFits as err:
+            plan = err.plan  # the fastest plan within the least memory reachable (no safety margin)
+        if plan is None or any(plan.schedule == run.compiled.schedule for run in runs):
+            return False
+        self.plan = plan
+        self.trials.adopt(plan.schedule)
+        measured, seconds, spread = self._measure(batch)
+        runs.append(DryRun(plan, measured, measured - (plan.predicted_peak - plan.extra_bytes), self.trials.compiled,
+                           seconds, spread))
+        return True
+
     def try_plain(self, batch, chosen: DryRun, runs: list[DryRun]) -> bool:
         """One more dry step, of the chosen plan with some sections plain (every layer's own Keras gradient: no
         lean attention re-making its scores, no layer re-run in the backward), of those where lean gradients keep
@@ -385,6 +412,10 @@ class Calibrator:
         if not plain:
             return False
         plan = replace(chosen.plan, schedule=replace(chosen.plan.schedule, plain=plain))
+        # Dry-run already (a re-plan after a step ran out starts from the plan in force): a second run out of
+        # memory would wait out the allocator's retry again (a minute on the small ResNet at 512).
+        if any(plan.schedule == run.compiled.schedule for run in runs):
+            return False
         self.plan = plan
         self.trials.adopt(plan.schedule)
         measured, seconds, spread = self._measure(batch)
@@ -451,16 +482,30 @@ class Calibrator:
         if measured <= old.predicted_peak + noise:
             return None
         over_budget = measured > old.budget
+        # A budget taken from a device of hard memory is that device less headroom: a step over it but within the
+        # device fitted, and one that runs out is re-planned and run again (``replan_below``), so it goes on.
+        within_device = (self.device_limit is not None and measured <= self.device_limit
+                         and self.budget_source.startswith("the device's memory"))  # not a size or fraction asked
         scale = self.activation_scale * (measured - old.base_bytes) / max(1, old.predicted_peak - old.base_bytes)
         over = f"measured step peak {hb(measured)} exceeded the plan's prediction {hb(old.predicted_peak)}"
+        keeps = (f"{over} and the budget {hb(old.budget)} but not the device's {hb(self.device_limit or 0)}; "
+                 f"the plan stays (a step that runs out of memory is re-planned and run again)")
         if len(self.replans) >= MAX_REPLANS:
-            if over_budget:
+            if over_budget and within_device and not self._kept_over_budget:
+                self._kept_over_budget = True
+                log.warning(keeps)
+            elif over_budget and not within_device:
                 raise BudgetExceededError(f"{over} and the budget {hb(old.budget)} after {len(self.replans)} "
                                           f"corrections of the cost model; give a larger memory_budget") from None
             return None
         try:
             plan = self.make_plan(scale)
         except ValueError as err:
+            if over_budget and within_device:
+                if not self._kept_over_budget:
+                    self._kept_over_budget = True
+                    self.log_replan(f"{keeps}; with activation costs corrected by {scale:.3g} no plan fits")
+                return None
             if over_budget:
                 raise BudgetExceededError(f"{over} and the budget {hb(old.budget)}; with activation costs corrected "
                                           f"by {scale:.3g}: {err}") from None

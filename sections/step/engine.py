@@ -238,13 +238,16 @@ class Engine(Trainer):
         if calibrator.refusal is not None:
             self._built = False
             real, sliced = self.borders.real_batch, calibrator.section_probe.pb
-            if calibrator.dry_ran_out and not self._whole_batch_probe and self.request.probe_batch is None \
+            if calibrator.dry_steps and not self._whole_batch_probe and self.request.probe_batch is None \
                     and sliced < real:
                 # Figures scaled from a slice can mislead where the whole batch does not (the runner's small ResNet
                 # at 496 on a 350 MiB device: the slice's plan ran out and none was left; probing 496, a 4-section
-                # plan held 316 MiB): once, where a plan ran out, the batch itself is probed before refusing.
-                log.warning(f"no plan fits on figures scaled from a probe of {sliced} examples after a dry step "
-                            f"ran out of device memory: probing the whole batch ({real})")
+                # plan held 316 MiB; at 512, plans of 5 and 6 sections read 332.6-332.8 MiB against a 332.5 MiB
+                # budget where other processes' held 265-305): once, the batch itself is probed before refusing.
+                why = ("a dry step ran out of device memory" if calibrator.dry_ran_out else
+                       "dry steps measured over the budget")
+                log.warning(f"no plan fits on figures scaled from a probe of {sliced} examples after {why}: "
+                            f"probing the whole batch ({real})")
                 self._whole_batch_probe = True
                 return self.build(batch)
             raise calibrator.refusal
