@@ -43,7 +43,10 @@ def _run(cfg: DictConfig, out: Path, changes: dict) -> float:
     from runner.platform.quiet import load_tensorflow
 
     load_tensorflow()
+    from runner.platform.gpu_memory import cap_gpu_memory
     from runner.platform.threads import set_inter_op_threads
+
+    cap_gpu_memory(cfg.train.get("gpu_memory"))  # before the GPU runtime starts (listing devices does not)
 
     set_inter_op_threads(cfg.train.inter_op_threads, cfg.engine._target_)  # before the runtime starts (the strategy starts it)
     strategy = distribute.make_strategy(cfg)  # before anything else runs TensorFlow

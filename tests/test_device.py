@@ -91,6 +91,38 @@ def test_a_crash_in_a_kernel_prints_the_python_stack_it_came_from():
     assert 'File "<string>", line 2' in done.stderr
 
 
+def test_train_gpu_memory_caps_each_gpu_as_a_smaller_card(monkeypatch):
+    """`train.gpu_memory` sets a logical-device memory limit on every GPU before the runtime starts (whole MiB,
+    rounded up), which `sections.device_memory` reads; a sweep's next job asking the same sets nothing; once the
+    runtime has started, one line. (No GPU here: TensorFlow's device calls are stood in for.)"""
+    import tensorflow as tf
+
+    from runner.errors import ConfigError
+    from runner.platform.gpu_memory import cap_gpu_memory
+
+    configs, calls = {}, []
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: ["gpu0", "gpu1"] if kind == "GPU" else [])
+    monkeypatch.setattr(tf.config, "get_logical_device_configuration", lambda gpu: configs.get(gpu))
+
+    def set_config(gpu, logical):
+        configs[gpu] = logical
+        calls.append(gpu)
+
+    monkeypatch.setattr(tf.config, "set_logical_device_configuration", set_config)
+    assert cap_gpu_memory(None) is None and not calls
+    assert cap_gpu_memory("850MiB") == 850 and calls == ["gpu0", "gpu1"]
+    assert [c.memory_limit for c in configs["gpu1"]] == [850]
+    calls.clear()
+    assert cap_gpu_memory(850 * 2**20) == 850 and not calls, "the same again: nothing to set"
+
+    def started(gpu, logical):
+        raise RuntimeError("Virtual devices cannot be modified after being initialized")
+
+    monkeypatch.setattr(tf.config, "set_logical_device_configuration", started)
+    with pytest.raises(ConfigError, match=r"train.gpu_memory=1GiB: TensorFlow's GPU runtime already started"):
+        cap_gpu_memory("1GiB")
+
+
 def test_the_budget_comes_from_the_device():
     from sections.backend.device import HEADROOM, DeviceMemory, resolve_budget
 

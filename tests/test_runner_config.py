@@ -122,6 +122,10 @@ BAD = [
     (["train.progress=x"], "train.progress=x: allowed: auto, bar, log"),
     (["train.inter_op_threads=0"], "train.inter_op_threads=0: allowed: auto, a positive integer, or null"),
     (["train.inter_op_threads=many"], "train.inter_op_threads=many: allowed: auto, a positive integer, or null"),
+    (["train.gpu_memory=lots"], "train.gpu_memory=lots: allowed: a size such as 16GiB or 850MiB (a number: bytes), or null"),
+    # checked once TensorFlow is loaded (no GPU here): the CPU's own way to emulate a device is named
+    (["train.gpu_memory=2GiB"], "train.gpu_memory=2GiB: this process has no GPU; on the CPU a device of N MiB is "
+                                "emulated with TF_CPU_BFC_MEM_LIMIT_IN_MB=N in the environment"),
     (["resume=/no/such/run"], "resume=/no/such/run: no such folder"),
     (["resume={tmp}/other", "model=resnet"], "cannot change model._target_ (models.build_mlp -> models.build_resnet)"),
     (["resume={tmp}/other", "optimizer=adamw"], "cannot change optimizer._target_"),

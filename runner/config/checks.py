@@ -7,6 +7,7 @@ import math
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.errors import ConfigError, apply_rule
+from runner.platform.gpu_memory import check_gpu_memory
 from runner.platform.precision import PRECISIONS
 from sections import rules
 
@@ -110,6 +111,7 @@ def _check_train(train: DictConfig) -> None:
         _positive(train, "eval_batch", "train.")
     if train.progress not in PROGRESS:
         raise ConfigError("train.progress", train.progress, f"allowed: {', '.join(PROGRESS)}")
+    check_gpu_memory(train.get("gpu_memory"))
     if train.inter_op_threads not in (None, "auto"):
         value = train.inter_op_threads
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -74,6 +74,7 @@ class TrainConfig:
     progress: str
     seed: int
     deterministic: bool
+    gpu_memory: Any  # a size or null (runner.platform.gpu_memory)
     inter_op_threads: Any  # auto, a positive int or null (checks.py)
     verify_exact: bool
     profile_steps: Optional[List[int]]
