@@ -192,7 +192,7 @@ class Calibrator:
         high makes room for a faster one, too low for a smaller one (unless the plan fits: less room finds no faster
         plan); each new schedule is dry-run too (up to ``DRY_STEPS``), and then the plan the model predicts fastest
         under the whole budget, without its safety
-        margin (``try_bolder``). A plan fits when its dry step plus the run-to-run spread is within the budget
+        margin (``try_bolder``), and where none fits, the plan nearest the model's floor (``try_floor``). A plan fits when its dry step plus the run-to-run spread is within the budget
         and, unless ops run in one order (``fits``), the dry step within ``1 - margin / 2`` of it; of those, the
         one whose dry step ran fastest (timed, not predicted: the planner's re-run time model ranks close plans
         wrongly; within ``TIME_NOISE``, the one re-running fewest forwards) runs, its prediction what its dry
