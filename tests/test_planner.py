@@ -573,9 +573,7 @@ def test_where_no_dry_run_plan_fits_the_plan_nearest_the_floor_is_dry_run_before
             plan = err.plan
         return replace(plan, schedule=two, forward_runs=tuple(count_forward_runs(two)))
 
-    monkeypatch.setattr(calibrate.Calibrator, "make_plan", scripted)
-    monkeypatch.setattr(calibrate.Calibrator, "try_bolder", lambda self, batch, runs: None)
-    monkeypatch.setattr(calibrate.Calibrator, "try_plain", lambda self, batch, chosen, runs: False)
+    _only_the_models_plans(monkeypatch, scripted)
     dry_runs = []
     measure_dry = Engine.dry_step
 
@@ -756,6 +754,15 @@ def test_the_first_plan_counts_what_the_device_holds_beside_the_model(monkeypatc
     del held
 
 
+def _only_the_models_plans(monkeypatch, make_plan):
+    """Dry steps run the plans ``make_plan`` gives, and neither the bolder plan nor a plain variant."""
+    from sections.step import calibrate
+
+    monkeypatch.setattr(calibrate.Calibrator, "make_plan", make_plan)
+    monkeypatch.setattr(calibrate.Calibrator, "try_bolder", lambda self, batch, runs: None)
+    monkeypatch.setattr(calibrate.Calibrator, "try_plain", lambda self, batch, chosen, runs: False)
+
+
 def test_a_plan_that_fits_and_measured_no_less_than_predicted_is_not_planned_again(monkeypatch):
     """Planning again on a larger fixed cost can only find plans with less room, predicted slower: the dry steps
     stop at the plan that fits, without probing new sections for another."""
@@ -771,9 +778,7 @@ def test_a_plan_that_fits_and_measured_no_less_than_predicted_is_not_planned_aga
         made.append(1)
         return replace(real_plan(self, scale, margin), schedule=two, forward_runs=tuple(count_forward_runs(two)))
 
-    monkeypatch.setattr(calibrate.Calibrator, "make_plan", scripted)
-    monkeypatch.setattr(calibrate.Calibrator, "try_bolder", lambda self, batch, runs: None)
-    monkeypatch.setattr(calibrate.Calibrator, "try_plain", lambda self, batch, chosen, runs: False)
+    _only_the_models_plans(monkeypatch, scripted)
     dry_runs = []
     measure_dry = Engine.dry_step
 

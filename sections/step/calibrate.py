@@ -219,7 +219,7 @@ class Calibrator:
             except NoPlanFits as err:
                 plan, refusal = err.plan, err
             done = fitting and not _reruns(fitting[-1].plan)  # nothing re-run: none is faster
-            if done or (refusal is not None and fitting) or any(plan.schedule == run.compiled.schedule for run in runs):
+            if done or (refusal is not None and fitting) or _ran(plan, runs):
                 break
             self.plan, self.refusal = plan, refusal
             self.trials.adopt(plan.schedule)
@@ -354,14 +354,10 @@ class Calibrator:
             bold = self.make_plan(self.activation_scale, margin=0.0)
         except NoPlanFits:
             return
-        if any(bold.schedule == run.compiled.schedule for run in runs) or (
+        if _ran(bold, runs) or (
                 fitting and sum(bold.forward_runs) >= min(sum(run.plan.forward_runs) for run in fitting)):
             return
-        self.plan = bold
-        self.trials.adopt(bold.schedule)
-        measured, seconds, spread = self._measure(batch)
-        runs.append(DryRun(bold, measured, measured - (bold.predicted_peak - bold.extra_bytes),
-                           self.trials.compiled, seconds, spread))
+        self._dry_run(batch, bold, runs)
 
     def try_floor(self, batch, runs: list[DryRun]) -> bool:
         """Where no plan dry-run so far fits: one more dry step, of the plan nearest the least memory the model
@@ -373,13 +369,9 @@ class Calibrator:
             plan = self.make_plan(self.activation_scale, margin=0.0, budget=1)
         except NoPlanFits as err:
             plan = err.plan  # the fastest plan within the least memory reachable (no safety margin)
-        if plan is None or any(plan.schedule == run.compiled.schedule for run in runs):
+        if plan is None or _ran(plan, runs):
             return False
-        self.plan = plan
-        self.trials.adopt(plan.schedule)
-        measured, seconds, spread = self._measure(batch)
-        runs.append(DryRun(plan, measured, measured - (plan.predicted_peak - plan.extra_bytes), self.trials.compiled,
-                           seconds, spread))
+        self._dry_run(batch, plan, runs)
         return True
 
     def try_plain(self, batch, chosen: DryRun, runs: list[DryRun]) -> bool:
@@ -414,14 +406,19 @@ class Calibrator:
         plan = replace(chosen.plan, schedule=replace(chosen.plan.schedule, plain=plain))
         # Dry-run already (a re-plan after a step ran out starts from the plan in force): a second run out of
         # memory would wait out the allocator's retry again (a minute on the small ResNet at 512).
-        if any(plan.schedule == run.compiled.schedule for run in runs):
+        if _ran(plan, runs):
             return False
+        self._dry_run(batch, plan, runs)
+        return True
+
+    def _dry_run(self, batch, plan: Plan, runs: list[DryRun]) -> None:
+        """Adopt ``plan``, run its dry step and add it to ``runs`` (its fixed cost: what the step held beyond the
+        plan's prediction)."""
         self.plan = plan
         self.trials.adopt(plan.schedule)
         measured, seconds, spread = self._measure(batch)
         runs.append(DryRun(plan, measured, measured - (plan.predicted_peak - plan.extra_bytes), self.trials.compiled,
                            seconds, spread))
-        return True
 
     def _room_beside(self, chosen: DryRun) -> dict:
         """Per span the chosen plan re-runs in the backward: the activation bytes its line leaves that span, beside
@@ -556,6 +553,11 @@ def fastest(runs: list[DryRun]) -> DryRun:
     lean_faster = 1 if not onednn_off() else -1
     return min(near, key=lambda run: (sum(run.plan.forward_runs), lean_faster * len(run.plan.schedule.plain),
                                       run.seconds, run.peak))
+
+
+def _ran(plan: Plan, runs: list[DryRun]) -> bool:
+    """Whether ``plan``'s schedule was dry-run already."""
+    return any(plan.schedule == run.compiled.schedule for run in runs)
 
 
 def _reruns(plan: Plan) -> bool:
