@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runner.run.batch_max import largest_batch
+from runner.run.batch_max import Trial, largest_batch
 from sections import rules
 from sections.allocator import BFC, LIMIT, ONEDNN, configure, cpu_limit, describe
 
@@ -161,7 +161,7 @@ def test_batch_max_finds_the_largest_batch_that_fits(fits_up_to, replicas, no_gc
     from runner.run.batch_max import TOLERANCE
 
     def try_batch(b):
-        return b <= fits_up_to, (100 + b) * 10**6, "", f"engine {b}"
+        return Trial(b, b <= fits_up_to, (100 + b) * 10**6, kept=f"engine {b}")
 
     (batch, engine), search = largest_batch(try_batch, replicas, budget=(100 + fits_up_to) * 10**6)
     largest = fits_up_to // replicas * replicas
@@ -178,21 +178,22 @@ def test_batch_max_checks_its_best_trial_again_after_the_later_ones_and_searches
     first step at 32 ran out too. The best trial's engine steps once more after the search; failing, the batch
     counts as not fitting and the search continues below it, ending on a batch checked last."""
     def try_batch(b):
-        return b <= 40, b * 10**6, "", f"engine {b}"
+        return Trial(b, b <= 40, b * 10**6, kept=f"engine {b}")
 
     checked = []
 
-    def again(engine):
-        checked.append(engine)
+    def again(best):
+        checked.append(best.kept)
         fits = len(checked) > 1  # the first best fitted in its trial, not after the trials above it
-        return fits, None, "" if fits else "out of memory"
+        return Trial(best.batch, fits, None, "" if fits else "out of memory")
 
     (batch, engine), search = largest_batch(try_batch, 1, budget=100 * 10**6, again=again)
     first = int(checked[0].split()[1])
-    assert (first, False, None, "out of memory, checked again after the later trials") in search.trials
-    assert batch < first and engine == f"engine {batch}" and search.best()[0] == batch, search.trials
+    assert Trial(first, False, None, "out of memory, checked again after the later trials") in search.trials
+    assert batch < first and engine == f"engine {batch}" and search.best().batch == batch, search.trials
     # the new best is checked again only where trials ran after it
-    assert checked[1:] == ([] if search.trials[-1][0] == batch else [engine]), (checked, search.trials)
+    assert checked[1:] == ([] if search.trials[-1].batch == batch else [engine]), (checked, search.trials)
+    assert all(t.kept is None for t in search.trials)  # the search holds no trial's engine
     assert len(search.trials) <= 10
 
 
@@ -222,7 +223,7 @@ def test_batch_max_trials_share_one_optimizer(monkeypatch):
     data = type("Data", (), {"train_size": 10**6})()
     setup = build._largest(cfg, data, None, 4, None)
     assert len(seen) >= 3 and seen[0] is not None and all(o is seen[0] for o in seen), seen
-    assert 90 <= cfg.batch <= 100 and setup.batch_search.best()[0] == cfg.batch
+    assert 90 <= cfg.batch <= 100 and setup.batch_search.best().batch == cfg.batch
 
 
 @pytest.mark.parametrize("per_example_mib, fixed_mib, held_mib, budget_mib", [
@@ -245,7 +246,7 @@ def test_batch_max_with_floors_lands_within_the_tolerance_in_a_few_trials(per_ex
 
     def try_batch(b, floors=True):
         fits = floor(b).least <= line
-        return fits, min(floor(b).least, line), "", f"engine {b}", floor(b) if floors else None
+        return Trial(b, fits, min(floor(b).least, line), floor=floor(b) if floors else None, kept=f"engine {b}")
 
     largest = int((line / mib - fixed_mib - held_mib) / per_example_mib)
     (batch, engine), search = largest_batch(try_batch, 1, budget=budget_mib * mib)
@@ -255,7 +256,7 @@ def test_batch_max_with_floors_lands_within_the_tolerance_in_a_few_trials(per_ex
     assert len(doubling.trials) > len(search.trials), (doubling.trials, search.trials)
     # metrics.json's batch_max_trials: each trial's floor and line where it reported one
     assert [(r["floor_bytes"], r["line_bytes"]) for r in search.records()] == [
-        (floor(b).least, line) for b, *_ in search.trials]
+        (floor(t.batch).least, line) for t in search.trials]
     assert "floor_bytes" not in doubling.records()[0]
 
 
@@ -269,15 +270,16 @@ def test_batch_max_guided_by_floors_that_mislead_still_ends_within_the_tolerance
     for slope in (0.0001, 50.0):
         def try_batch(b):
             least = int((100 + slope * b) * 2**20)
-            return b <= 700, least, "", b, SimpleNamespace(least=least, fixed=100 * 2**20, line=900 * 2**20)
+            return Trial(b, b <= 700, least, floor=SimpleNamespace(least=least, fixed=100 * 2**20, line=900 * 2**20),
+                         kept=b)
 
         (batch, _), search = largest_batch(try_batch, 1, budget=1000 * 2**20)
         assert 700 / (1 + TOLERANCE) <= batch <= 700 and len(search.trials) <= 10, (slope, search.trials)
 
 
 def test_batch_max_stops_at_the_data_size(no_gc):
-    (batch, engine), search = largest_batch(lambda b: (True, b, "", b), 1, cap=300)
-    assert batch == 300 and engine == 300 and search.trials[-1][0] == 300
+    (batch, engine), search = largest_batch(lambda b: Trial(b, True, b, kept=b), 1, cap=300)
+    assert batch == 300 and engine == 300 and search.trials[-1].batch == 300
 
 
 # ---------------------------------------------------------------------------------------------- emulated device

@@ -19,7 +19,8 @@ from __future__ import annotations
 import gc
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from sections.rules import human_bytes
 
@@ -31,38 +32,52 @@ START = 32  # the first trial's batch (per replica)
 AIM = 0.97  # a trial guided by the floors aims this far below the batch they predict, so that it likely fits
 
 
+@dataclass(frozen=True)
+class Trial:
+    """One trial of the search: its batch, whether it fits, the peak bytes its step read (None: not measured), why
+    it does not fit, its floor with `sections=auto` (`Engine.memory_floor`: `least`, `fixed`, `line` bytes; else
+    None) and what the caller kept of it (its engine; the `Search` holds trials without it)."""
+
+    batch: int
+    fits: bool
+    peak: int | None = None
+    why: str = ""
+    floor: Any = None
+    kept: Any = field(default=None, compare=False, repr=False)
+
+
 @dataclass
 class Search:
-    """The trials of a `batch=max` search: `(batch, fits, peak bytes or None, why)` each."""
+    """The trials of a `batch=max` search (`Trial` records, without what they kept)."""
 
     replicas: int
     cap: int | None
     budget: int | None = None
-    trials: list = field(default_factory=list)
+    trials: list[Trial] = field(default_factory=list)
     floors: dict = field(default_factory=dict)  # batch -> its floor (`least`, `fixed`, `line` bytes), sections=auto
 
-    def fitting(self) -> list:
+    def fitting(self) -> list[Trial]:
         """The trials that fit, less any batch that a later trial found no longer fits."""
-        failed = {t[0] for t in self.trials if not t[1]}
-        return [t for t in self.trials if t[1] and t[0] not in failed]
+        failed = {t.batch for t in self.trials if not t.fits}
+        return [t for t in self.trials if t.fits and t.batch not in failed]
 
     def best(self):
         fitting = self.fitting()
-        return max(fitting, key=lambda t: t[0]) if fitting else None
+        return max(fitting, key=lambda t: t.batch) if fitting else None
 
     def records(self) -> list:
         """The trials for `metrics.json`: batch, fits, peak bytes, why; with `sections=auto`, the floor's bytes and
         the line it was held against."""
         out = []
-        for b, ok, p, why in self.trials:
-            floor = self.floors.get(b)
-            out.append({"batch": b, "fits": ok, "peak_bytes": p, "why": why,
+        for t in self.trials:
+            floor = self.floors.get(t.batch)
+            out.append({"batch": t.batch, "fits": t.fits, "peak_bytes": t.peak, "why": t.why,
                         **({"floor_bytes": floor.least, "line_bytes": floor.line} if floor is not None else {})})
         return out
 
     def describe(self) -> str:
-        parts = [f"{b} {'fits' if ok else 'does not'}" + (f" ({human_bytes(p)})" if p else "")
-                 for b, ok, p, _ in self.trials]
+        parts = [f"{t.batch} {'fits' if t.fits else 'does not'}" + (f" ({human_bytes(t.peak)})" if t.peak else "")
+                 for t in self.trials]
         return ", ".join(parts)
 
 
@@ -76,7 +91,7 @@ def predicted(search: Search) -> float | None:
     variables and slots; what else does not grow with the batch counts as growing, so one trial errs low). None
     where a batch fitted whose floor was above its line: the floors mislead, and the search doubles and halves."""
     points = sorted(search.floors.items())
-    fitted = {t[0] for t in search.fitting()}
+    fitted = {t.batch for t in search.fitting()}
     if not points or any(f.least > f.line for b, f in points if b in fitted):
         return None  # no floors, or floors that said a batch could not fit where it did: doubling and halving
     if len(points) >= 2:
@@ -114,8 +129,8 @@ def next_batch(search: Search) -> int | None:
     """The next trial's batch, or None when the search is done: twice the largest that fits (up to 8x where its
     step held far less than the budget) until one does not (at most the cap), then halfway between the largest that
     fits and the smallest that does not; where trials report floors, aimed by them (`_guided`)."""
-    lo = max((t[0] for t in search.fitting()), default=None)
-    hi = min((t[0] for t in search.trials if not t[1]), default=None)
+    lo = max((t.batch for t in search.fitting()), default=None)
+    hi = min((t.batch for t in search.trials if not t.fits), default=None)
     if lo is not None and search.cap is not None and lo >= search.cap:
         return None
     if lo is not None and hi is not None and (hi - lo <= search.replicas or hi <= lo * (1 + TOLERANCE)):
@@ -124,7 +139,7 @@ def next_batch(search: Search) -> int | None:
     if guess is not None:
         return _guided(search, lo, hi, guess)
     if hi is None:  # grow: twice, or up to 8x where the last step held far less than the budget
-        peak = search.trials[-1][2]
+        peak = search.trials[-1].peak
         factor = min(8.0, max(2.0, 0.9 * search.budget / peak)) if search.budget and peak else 2.0
         grown = round_to(factor * lo, search.replicas)
         return min(grown, search.cap) if search.cap is not None else grown
@@ -135,10 +150,9 @@ def next_batch(search: Search) -> int | None:
 
 
 def largest_batch(try_batch, replicas: int, cap: int | None = None, budget: int | None = None, again=None):
-    """Run trials `try_batch(b) -> (fits, peak or None, why, kept[, floor])` until the search ends (`floor`: the
-    trial's `Engine.memory_floor`, or None); returns the largest
-    batch that fits (None when not even `replicas` examples do) with what its trial kept, and the `Search`.
-    `again(kept) -> (fits, peak or None, why)`: the best trial checked once more after the others (None: not
+    """Run trials `try_batch(b) -> Trial` until the search ends; returns the largest batch that fits (None when
+    not even `replicas` examples do) with what its trial kept, and the `Search`.
+    `again(best: Trial) -> Trial`: the best trial (with what it kept) checked once more after the others (None: not
     checked); where it no longer fits the search continues below it.
     The best trial's engine is held while later trials run (they then measure with its optimizer slots in
     memory, erring small) and trains: its plan is the one its dry steps measured (a plan made again at that
@@ -148,9 +162,9 @@ def largest_batch(try_batch, replicas: int, cap: int | None = None, budget: int 
     kept = None
     while True:
         while batch is not None and len(search.trials) < MAX_TRIALS:
-            fits, peak, why, engine, *rest = try_batch(batch)
-            floor = rest[0] if rest else None
-            search.trials.append((batch, fits, peak, why))
+            trial = try_batch(batch)
+            fits, why, floor, engine = trial.fits, trial.why, trial.floor, trial.kept
+            search.trials.append(replace(trial, kept=None))
             if floor is not None:
                 search.floors[batch] = floor
             guess = predicted(search)
@@ -162,22 +176,22 @@ def largest_batch(try_batch, replicas: int, cap: int | None = None, budget: int 
                 kept = None  # the smaller batch's engine is freed before the larger one is kept
                 gc.collect()
                 kept = engine
-            del engine
+            del engine, trial
             gc.collect()
             batch = next_batch(search)
         best = search.best()
         if again is None or best is None or kept is None or best is search.trials[-1]:
             break  # nothing to check, or the best is the last trial: nothing ran after it
-        fits, peak, why = again(kept)
-        if fits:
+        checked = again(replace(best, kept=kept))
+        if checked.fits:
             break
-        why = f"{why or 'it no longer fits'}, checked again after the later trials"
-        search.trials.append((best[0], False, peak, why))
-        log.warning(f"batch=max: batch {best[0]} does not fit any more ({why}); searching below it")
+        why = f"{checked.why or 'it no longer fits'}, checked again after the later trials"
+        search.trials.append(Trial(best.batch, False, checked.peak, why))
+        log.warning(f"batch=max: batch {best.batch} does not fit any more ({why}); searching below it")
         kept = None
         gc.collect()
         batch = next_batch(search)
         if batch is None or len(search.trials) >= MAX_TRIALS:
             break
     best = search.best()
-    return (best[0] if best else None, kept), search
+    return (best.batch if best else None, kept), search

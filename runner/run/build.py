@@ -135,7 +135,7 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
     each trial's slots behind (ResNet50 on a 1 GiB device: about 100 MiB per trial, batch 16 no longer fitting
     after five trials where 32 had)."""
     import sections as engine_lib
-    from runner.run.batch_max import largest_batch
+    from runner.run.batch_max import Trial, largest_batch
 
     replicas = strategy.num_replicas_in_sync if strategy is not None else 1
     budget, source = engine_lib.device_budget(cfg.engine.memory_budget)
@@ -155,18 +155,20 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
             # The smallest plan's dry step: this batch's floor, as measured (its fixed part and line are the
             # last fitting trial's: neither grows with the batch).
             floor = dataclasses.replace(floors[-1], least=smallest) if floors and smallest else None
-            return False, smallest or None, "no plan fits", None, floor
+            return Trial(batch, False, smallest or None, "no plan fits", floor)
         except engine_lib.OutOfMemory as err:
-            return False, err.in_use + (err.requested or 0), "out of memory while planning", None
+            return Trial(batch, False, err.in_use + (err.requested or 0), "out of memory while planning")
         if engine.plan is not None:  # sections=auto: its dry steps ran the plan under the budget
             floors.append(engine.memory_floor)
-            return True, engine.plan.predicted_peak, "", (engine, probe, batches), floors[-1]
+            return Trial(batch, True, engine.plan.predicted_peak, floor=floors[-1], kept=(engine, probe, batches))
         fits, peak, why = _one_step_fits(engine, probe, budget)
-        return fits, peak, why, (engine, probe, batches) if fits else None
+        return Trial(batch, fits, peak, why, kept=(engine, probe, batches) if fits else None)
 
-    def again(kept):  # a fixed partition's steps, in the memory the later trials left (sections=auto re-plans)
-        engine, probe, _ = kept
-        return (True, None, "") if engine.plan is not None else _one_step_fits(engine, probe, budget)
+    def again(best: Trial) -> Trial:  # a fixed partition's steps, in the memory the later trials left
+        engine, probe, _ = best.kept  # (sections=auto re-plans)
+        if engine.plan is not None:
+            return Trial(best.batch, True)
+        return Trial(best.batch, *_one_step_fits(engine, probe, budget))
 
     (batch, kept), search = largest_batch(try_batch, replicas, cap, budget, again)
     if batch is None:
