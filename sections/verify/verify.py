@@ -17,6 +17,7 @@ import tensorflow as tf
 from ..backend.device import OutOfMemory
 from ..backend.precision import ROUNDING, compute_dtype, loss_scale, tolerance, unscale
 from ..backend.replicas import scale_for_replicas
+from ..step import accumulate
 
 # A trainer's error may reach this multiple of the whole step's own rounding sensitivity: the sensitivity is
 # measured with one random perturbation of rounding size, a trainer's graph rounds differently at many ops.
@@ -40,11 +41,20 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | N
     the whole-graph step runs under it too. With a ``LossScaleOptimizer`` both sides differentiate the scaled
     loss and unscale, as a step does.
 
+    A ``MicroBatched`` trainer (gradient accumulation) is compared like with like: the examples are cut into as
+    many micro-batches as its steps cut a batch into (at most half as many as there are examples), its summed
+    gradients are compared with the whole-graph step's over the same micro-batches, summed by the same shares in
+    float64, and the state after them (batch-norm statistics update once per micro-batch on both sides). The
+    report then also has ``micro_batches`` and ``one_step_rel_error``: the distance of the summed gradients from
+    one whole-graph step over all the examples (within rounding only for a model without batch statistics).
+
     Returns ``{"exact", "gradient_rel_error", "tolerance", "sensitivity", "state_max_abs_diff",
     "worst_variable"}``.
     """
     batch = dict(batch)
     engine.build(batch)
+    micro = getattr(engine, "micro_batch", None)
+    runs = accumulate.count(_rows(batch), micro) if micro else 1
     dtype = compute_dtype(engine.network)
     rtol = tolerance(engine.network) if rtol is None else rtol
     if examples is not None:
@@ -58,17 +68,32 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | N
         for v, value in zip(variables, saved):
             v.assign(value)
 
+    sizes = accumulate.micro_sizes(_rows(batch), -(-_rows(batch) // min(runs, max(1, _rows(batch) // 2))))
     try:
-        _, ours = engine.gradients(batch)
+        _, ours = engine.gradients(batch, sizes) if micro else engine.gradients(batch)
         ours = _dense(ours)
         our_state = [v.numpy() for v in network.non_trainable_variables]
         restore()
-        whole = _whole_gradients(network, engine.replicas, _scaler(engine.optimizer))
-        theirs = _dense(unscale(whole(batch), engine.optimizer))
+        one_step = _whole_gradients(network, engine.replicas, _scaler(engine.optimizer))
+
+        def whole(batch):  # over the same micro-batches, summed by their shares (one call without micro-batches)
+            if not micro:
+                return _dense(unscale(one_step(batch), engine.optimizer))
+            parts = accumulate.split(batch, sizes)
+            summed = None
+            for part, share in zip(parts, accumulate.weights(sizes)):
+                grads = _dense(unscale(one_step(part), engine.optimizer))
+                summed = [None if g is None else share * g if s is None else s + share * g
+                          for s, g in zip(summed or [None] * len(grads), grads)]
+            return summed
+
+        theirs = whole(batch)
         their_state = [v.numpy() for v in network.non_trainable_variables]
         restore()
         _perturb(network.trainable_variables, ROUNDING.get(dtype, ROUNDING["float32"]))
-        nudged = _dense(unscale(whole(batch), engine.optimizer))
+        nudged = whole(batch)
+        restore()
+        single = _dense(unscale(one_step(batch), engine.optimizer)) if micro else None
         restore()
     except tf.errors.ResourceExhaustedError as err:  # the whole step (or the trainer's) at this many examples
         failed = OutOfMemory.from_error(err, engine.meter, engine.device_memory)
@@ -91,8 +116,16 @@ def compare_with_whole(engine, batch, examples: int | None = 64, rtol: float | N
         if not np.allclose(a, b, rtol=max(rtol, 1e-4), atol=1e-6) or not np.all(np.isfinite(a)):
             exact, worst_name = False, v.path
             state_diff = float("inf") if not np.all(np.isfinite(a)) else state_diff
-    return {"exact": exact, "gradient_rel_error": error, "tolerance": float(allowed),
-            "sensitivity": sensitivity, "state_max_abs_diff": state_diff, "worst_variable": worst_name}
+    report = {"exact": exact, "gradient_rel_error": error, "tolerance": float(allowed),
+              "sensitivity": sensitivity, "state_max_abs_diff": state_diff, "worst_variable": worst_name}
+    if micro:
+        report.update(micro_batches=len(sizes), one_step_rel_error=float("inf") if missing else
+                      _distance(ours, single))
+    return report
+
+
+def _rows(batch) -> int:
+    return int(tf.nest.flatten(next(iter(batch.values())))[0].shape[0])
 
 
 def _dense(grads) -> list:
