@@ -246,6 +246,18 @@ def policies_for(policy, num_sections: int) -> list:
     return items
 
 
+def check_micro_batch(micro_batch, batch: int | None = None) -> None:
+    """Gradient accumulation's micro-batch (``sections.MicroBatched``): a positive integer of examples, at most the
+    batch (which is cut into ``ceil(batch / micro_batch)`` micro-batches)."""
+    upto = f"1 to the batch ({batch})" if batch is not None else "a positive integer"
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise RuleError(f"micro_batch={micro_batch!r}: expected examples per micro-batch, {upto}.",
+                        "micro_batch_value", batch=batch)
+    if batch is not None and micro_batch > batch:
+        raise RuleError(f"micro_batch={micro_batch}: larger than the batch; allowed: {upto}.",
+                        "micro_batch_over_batch", batch=batch)
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
