@@ -55,7 +55,7 @@ def test_a_file_reached_twice_through_links_counts_once_where_it_really_is(tmp_p
     assert source.train_size + source.test_size == 10
     assert str(root / "a" / "zz.png") in source.describe() and "reached twice through links, counted once" in \
         source.describe()
-    files = source._files["train"] + source._files["test"]
+    files = source.reader.files["train"] + source.reader.files["test"]
     assert str(root / "b" / "001.png") in files and str(root / "a" / "zz.png") not in files
 
 

@@ -121,12 +121,12 @@ def test_arrays_npz_with_own_keys_is_memory_mapped_and_split(tmp_path):
     x, y = rng.integers(0, 256, (30, 6, 5), dtype=np.uint8), np.arange(30) % 4
     np.savez(tmp_path / "mine.npz", pixels=x, classes=y)
     source = data.arrays(str(tmp_path / "mine.npz"), x_key="pixels", y_key="classes", test_fraction=0.2)
-    assert isinstance(source._x["train"], np.memmap)
+    assert isinstance(source.reader.x["train"], np.memmap)
     assert source.model_args == {"num_classes": 4, "input_shape": (6, 5, 1)} and source.test_size == 6
     batch = next(iter(source.train_batches(24, 0)))
     rows = np.round(batch["image"].numpy()[..., 0] * 255).astype(np.uint8)
     matched = [int(np.flatnonzero((x == r).all(axis=(1, 2)))[0]) for r in rows]
-    assert sorted(matched) == sorted(source._rows["train"].numpy()) and list(y[matched]) == list(batch["label"])
+    assert sorted(matched) == sorted(source.reader.rows["train"]) and list(y[matched]) == list(batch["label"])
     assert equal_batches(source.train_batches(5, 1), source.train_batches(5, 1), 3)
     np.savez_compressed(tmp_path / "packed.npz", pixels=x, classes=y)
     packed = data.arrays(str(tmp_path / "packed.npz"), x_key="pixels", y_key="classes", test_fraction=0.2)

@@ -1,20 +1,23 @@
-"""Data sources: each builder returns an object with ``name``, ``model_args``, ``metric``,
-``train_batches(batch_size, seed)`` and ``eval_batches(batch_size)`` (see docs/DATA.md)."""
+"""Data sources: each builder returns a ``DataSource`` (``name``, ``model_args``, ``metric``, ``info``,
+``train_batches(batch_size, seed, shard)``, ``eval_batches(batch_size)``, ``fingerprint()`` ...; docs/DATA.md).
+The streamed image sources are one ``ImagePipeline`` composed of a reader and a decoder."""
 
 from ._fingerprint import compare as compare_fingerprints
 from ._source import ImageSource
-from ._stream import StreamSource
-from .arrays import ArraySource, arrays
+from ._stream import Decoder, ImagePipeline, Labels, Pixels, Reader
+from .arrays import ArrayReader, arrays
 from .digits import digits
-from .image_folder import ImageFolderSource, image_folder
+from .image_folder import FileDecoder, FileReader, image_folder
 from .mnist import mnist
 from .sequences import SequenceSource, sequences
+from .source import BaseSource, DataSource, missing_members
 from .synthetic import synthetic
 from .text import TextSource, text
-from .tfds import TFDSSource, tfds
-from .tfrecord import TFRecordSource, tfrecord
+from .tfds import tfds
+from .tfrecord import ExampleDecoder, ShardReader, tfrecord
 from .tokens import LabelledTokenSource, TokenSource, tokens
 
 __all__ = ["digits", "mnist", "synthetic", "sequences", "text", "image_folder", "arrays", "tfrecord", "tfds", "tokens",
-           "ImageSource", "StreamSource", "compare_fingerprints", "ImageFolderSource", "ArraySource", "TFRecordSource",
-           "TFDSSource", "SequenceSource", "TextSource", "TokenSource", "LabelledTokenSource"]
+           "DataSource", "BaseSource", "missing_members", "ImageSource", "ImagePipeline", "Reader", "Decoder",
+           "Labels", "Pixels", "FileReader", "FileDecoder", "ShardReader", "ExampleDecoder", "ArrayReader",
+           "compare_fingerprints", "SequenceSource", "TextSource", "TokenSource", "LabelledTokenSource"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from .source import BaseSource
+
 AUTOTUNE = tf.data.AUTOTUNE
 
 
@@ -20,7 +22,7 @@ def check_seed(seed) -> int:
     return int(seed)
 
 
-class ImageSource:
+class ImageSource(BaseSource):
     """Images ``[n, h, w, c]`` and integer labels, split into train and test.
 
     Training batches are an endless sequence of epochs, each a permutation drawn from ``(seed, epoch)``,
@@ -64,8 +66,9 @@ class ImageSource:
     def test_size(self) -> int:
         return len(self._test[1])
 
-    def train_batches(self, batch_size: int, seed: int = 0) -> tf.data.Dataset:
-        """Endless ``{"image", "label"}`` batches of exactly ``batch_size`` (any size: they span epochs)."""
+    def train_batches(self, batch_size: int, seed: int = 0, shard=None) -> tf.data.Dataset:
+        """Endless ``{"image", "label"}`` batches of exactly ``batch_size`` (any size: they span epochs); every row
+        loaded under a ``shard`` too (the images are in memory)."""
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
         images = tf.constant(self._train[0])
         labels = tf.constant(self._train[1])

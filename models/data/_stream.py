@@ -1,32 +1,23 @@
-"""``StreamSource``: labelled images read from disk example by example by ``tf.data``, never all in memory.
+"""The streamed image pipeline: labelled images read example by example by ``tf.data``, never all in memory.
 
-A subclass says where examples come from; this class turns them into the batches the runner trains on:
-
-- ``_train_stream(seed)``: an endless ``tf.data.Dataset`` of *keys* (a file index, a serialized record, ...),
-  in an order drawn from ``seed`` alone (stateless per-epoch shuffles);
-- ``_test_stream()``: one finite pass over the held-out keys, in a fixed order;
-- ``_load(key) -> (image, label)``: the raw image ``[h, w, c]`` (any numeric dtype, ``image_shape`` after
-  loading) and its int32 label; the graph runs in parallel (``num_parallel_calls``) and in order.
-
-Every example then becomes ``float32(image) * rescale``, augmented (training only) with keys drawn from
-``(seed, position in the stream)``. Nothing random is stateful, so the iterator is saved *symbolically*
-(counters and file offsets, kilobytes, not its buffers) and a resumed run continues with the very batches an
-uninterrupted one would see.
-
-Under a multi-worker run (``shard=(index, count)``) each process reads and decodes only the rows of each
-global batch that its replicas train on (rows ``index*B/count .. (index+1)*B/count``); the other rows are
-zeros that no replica reads. The examples of a step therefore do not depend on the number of workers.
+A source is composed, not subclassed: a ``Reader`` says where examples come from (the files of a folder, TFRecord
+shards, a TFDS split, array rows) as *keys*; a ``Decoder`` turns a key into the stored image and its label;
+``ImagePipeline`` makes the batches the runner trains on (``Pixels``: rescale, augmentation, standardization;
+``Labels``: class numbers or float targets, checked once by ``Labels.of``). The factories (``image_folder``,
+``tfrecord``, ``tfds``, ``arrays``) validate their arguments, then build the three.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from ._source import AUTOTUNE, check_batch_size, check_seed
+from .source import BaseSource
 
 AUGMENTATIONS = {  # name: (default strength, what the strength means)
     "flip": (None, "mirror left-right with probability 1/2"),
@@ -163,61 +154,176 @@ def check_shard(shard, batch_size: int):
     return index * batch_size // count, (index + 1) * batch_size // count
 
 
-class StreamSource:
-    """Images streamed from disk: the common pipeline of ``image_folder``, ``arrays`` and ``tfrecord``.
+@dataclass(frozen=True)
+class Labels:
+    """What a label is: a class number ``0 .. num_classes - 1``, or float targets of ``target_shape`` (regression:
+    mean squared error, metric ``mae``). Made by ``Labels.of``, the one check of a class count or a target shape."""
+
+    num_classes: int
+    target_shape: tuple | None = None
+
+    @classmethod
+    def of(cls, num_classes=None, target_shape=None, hint: str = "must be an integer >= 1") -> Labels:
+        """Class numbers (``target_shape`` None: ``num_classes`` an integer >= 1, else ``data.num_classes=...:
+        <hint>``) or float targets of ``target_shape`` (integers >= 1; ``[]``: one value)."""
+        if target_shape is not None:
+            shape = list(target_shape)
+            if any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in shape):
+                raise ValueError(f"data.target_shape={shape!r}: the shape of one example's targets, integers >= 1 "
+                                 f"([] for one value).")
+            return cls(int(np.prod(shape)), tuple(int(d) for d in shape))
+        if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
+            raise ValueError(f"data.num_classes={num_classes!r}: {hint}.")
+        return cls(int(num_classes))
+
+    @property
+    def floats(self) -> bool:
+        return self.target_shape is not None
+
+    def checked(self, label, where):
+        """A decoded class number, checked in the class range (else the pipeline stops naming ``where``); float
+        targets as they are."""
+        return label if self.floats else check_label(label, self.num_classes, where)
+
+    def cast(self, label):
+        """A label as the batch holds it: int32 class numbers, or float32 targets of their shape."""
+        if self.floats:
+            return tf.reshape(tf.cast(label, tf.float32), self.target_shape)
+        return tf.cast(label, tf.int32)
+
+    def zero(self):
+        return tf.zeros(self.target_shape, tf.float32) if self.floats else tf.constant(0, tf.int32)
+
+    def describe(self) -> str:
+        return f"float targets {list(self.target_shape)}" if self.floats else f"{self.num_classes} classes"
+
+
+@dataclass(frozen=True)
+class Pixels:
+    """What the model receives of an image: its shape ``(h, w, c)``, ``float32(stored) * rescale``, training
+    augmentations (``parse_augment``'s list; ``max_value``: the largest stored value, for brightness), then
+    ``(x - mean) / std`` where ``standardize`` (``parse_standardize``'s pair) is set."""
+
+    shape: tuple
+    rescale: float = 1.0
+    augment: tuple = ()
+    max_value: float = 255.0
+    standardize: tuple | None = None
+
+    def scaled(self, image):
+        image = tf.cast(tf.ensure_shape(image, self.shape), tf.float32)
+        return image * self.rescale if self.rescale != 1.0 else image
+
+    def augmented(self, image, key):
+        return augment_image(image, self.augment, key, self.max_value * self.rescale)
+
+    def standardized(self, image):
+        if not self.standardize:
+            return image
+        mean, std = (tf.constant(v, tf.float32) for v in self.standardize)
+        return (image - mean) / std
+
+    def describe(self, labels: str) -> str:
+        """``images [h, w, c], <labels>, rescale 1/255 (values 0..1)``, and the augmentations."""
+        values = f"values 0..{self.max_value * self.rescale:g}"
+        if self.standardize:
+            values += f", then (x - mean {_short(self.standardize[0])}) / std {_short(self.standardize[1])}"
+        aug = ", augment " + " ".join(self.augment_names()) if self.augment else ""
+        return f"images {list(self.shape)}, {labels}, rescale {_fraction(self.rescale)} ({values}){aug}"
+
+    def augment_names(self) -> list[str]:
+        return [n if s is None else f"{n}:{s:g}" for n, s in self.augment]
+
+
+class Reader(Protocol):
+    """Where the examples of a streamed source come from: *keys* (a file path and its label, a serialized record,
+    an array row), which a ``Decoder`` turns into images. ``unit``: what a key is, in words (``file``, ``record``)."""
+
+    unit: str
+    train_size: int | None
+    test_size: int | None
+
+    def train_keys(self, seed: int) -> tf.data.Dataset:
+        """Endless keys in an order drawn from ``seed`` alone (stateless per-epoch shuffles)."""
+
+    def test_keys(self) -> tf.data.Dataset:
+        """One finite pass over the held-out keys, in a fixed order."""
+
+    def fingerprint(self) -> dict:
+        """What the keys are read from (``files``, ``shards``, ``arrays`` and ``rows``: ``models.data._fingerprint``)."""
+
+    def find_unreadable(self, decoder: Decoder) -> str | None:
+        """After a failure that names no file: which file or record fails ``decoder.decodes``, as one line."""
+
+
+class Decoder(Protocol):
+    """A key as the stored image ``[h, w, c]`` (any numeric dtype; the size checked or resized) and its label
+    (``Labels.checked``), in graph code that runs in parallel."""
+
+    def __call__(self, key) -> tuple[tf.Tensor, tf.Tensor]: ...
+
+    def decodes(self, key) -> tf.Tensor:
+        """A tensor that exists only once the key's image decodes (what ``skip_corrupt`` checks)."""
+
+
+class ImagePipeline(BaseSource):
+    """Images streamed from a reader through a decoder: the one pipeline of ``image_folder``, ``arrays``,
+    ``tfrecord`` and ``tfds`` (a new format is a ``Reader`` and a ``Decoder``; docs/DATA.md).
+
+    Every key becomes ``Pixels.scaled(image)``, augmented (training only) with keys drawn from ``(seed, position in
+    the stream)``, then standardized. Nothing random is stateful, so the iterator is saved *symbolically* (counters
+    and file offsets, kilobytes, not its buffers) and a resumed run continues with the very batches an
+    uninterrupted one would see. Under a multi-worker run (``shard=(index, count)``) each process reads and decodes
+    only the rows of each global batch that its replicas train on; the other rows are zeros that no replica reads.
 
     Args:
         name: the data set's name.
-        image_shape: ``(h, w, c)`` of every loaded image.
-        num_classes: labels are ``0 .. num_classes - 1``.
-        train_size, test_size: examples per split (``None`` where unknown without reading everything).
-        rescale: factor applied to the loaded values (``1/255``: uint8 pixels to [0, 1]).
-        augment: ``parse_augment``'s list; applied to training batches only.
-        max_value: the largest stored value (255 for 8-bit images), for brightness.
-        info: what the run records about the data (class names, files, skipped files ...).
-        standardize: ``parse_standardize``'s ``(mean, std)``, applied after rescale and augmentation.
-        target_shape: float targets of this shape per example (regression: mean squared error, metric ``mae``)
-            instead of class numbers; ``num_classes`` is then ignored.
+        reader: a ``Reader``; decoder: a ``Decoder`` of its keys.
+        pixels: what the model receives of an image (``Pixels``); labels: what a label is (``Labels``).
+        info: what the run records about the data (class names, files, skipped files ...), beside the pipeline's own.
+        identity: what the data is beyond the reader's files (classes, a TFDS version), for ``fingerprint``.
+        class_names: the classes' names by number, where the source knows them.
     """
 
     metric = "accuracy"
     metric_direction = "maximize"  # higher is better (runner.config.direction: what a sweep optimizes)
 
-    def __init__(self, name: str, image_shape, num_classes: int, train_size: int | None, test_size: int | None,
-                 rescale: float = 1.0, augment=(), max_value: float = 255.0, info: dict | None = None,
-                 standardize=None, target_shape=None):
-        self.name = name
-        self.image_shape = tuple(int(d) for d in image_shape)
-        self.target_shape = None if target_shape is None else tuple(int(d) for d in target_shape)
-        if self.target_shape is not None:  # regression: an instance's metric, not the class's accuracy
+    def __init__(self, name: str, reader: Reader, decoder: Decoder, pixels: Pixels, labels: Labels,
+                 info: dict | None = None, identity: dict | None = None, class_names=None):
+        self.name, self.reader, self.decoder, self.pixels, self.labels = name, reader, decoder, pixels, labels
+        self.class_names = None if class_names is None else list(class_names)
+        self.identity = dict(identity or {})
+        if labels.floats:  # regression: an instance's metric, not the class's accuracy
             self.metric, self.metric_direction = "mae", "minimize"
-            num_classes = int(np.prod(self.target_shape))
-        self.num_classes = int(num_classes)
-        self.train_size, self.test_size = train_size, test_size
-        self.rescale = float(rescale)
-        self.augment = list(augment)
-        self.max_value = float(max_value)
-        self.standardize = standardize
-        self.model_args = {"num_classes": self.num_classes, "input_shape": self.image_shape}
-        if self.target_shape is not None:
-            self.model_args["targets"] = "float"
-        self.info = {"source": name, "image_shape": list(self.image_shape), "num_classes": self.num_classes,
-                     "train_size": train_size, "test_size": test_size, "rescale": self.rescale,
-                     "augment": [n if s is None else f"{n}:{s:g}" for n, s in self.augment],
-                     **({"mean": list(standardize[0]), "std": list(standardize[1])} if standardize else {}),
-                     **({"targets": "float", "target_shape": list(self.target_shape)} if self.target_shape is not None
-                        else {}),
+        self.info = {"source": name, "image_shape": list(pixels.shape), "num_classes": labels.num_classes,
+                     "train_size": reader.train_size, "test_size": reader.test_size, "rescale": pixels.rescale,
+                     "augment": pixels.augment_names(),
+                     **({"mean": list(pixels.standardize[0]), "std": list(pixels.standardize[1])}
+                        if pixels.standardize else {}),
+                     **({"targets": "float", "target_shape": list(labels.target_shape)} if labels.floats else {}),
                      **(info or {})}
+        self._fingerprint = None
 
-    # ------------------------------------------------------------------ what a subclass provides
-    def _train_stream(self, seed: int) -> tf.data.Dataset:
-        raise NotImplementedError
+    @property
+    def model_args(self) -> dict:
+        return {"num_classes": self.labels.num_classes, "input_shape": self.pixels.shape,
+                **({"targets": "float"} if self.labels.floats else {})}
 
-    def _test_stream(self) -> tf.data.Dataset:
-        raise NotImplementedError
+    @property
+    def train_size(self) -> int | None:
+        return self.reader.train_size
 
-    def _load(self, key):
-        raise NotImplementedError
+    @property
+    def test_size(self) -> int | None:
+        return self.reader.test_size
+
+    @property
+    def image_shape(self) -> tuple:
+        return self.pixels.shape
+
+    @property
+    def rescale(self) -> float:
+        return self.pixels.rescale
 
     # ------------------------------------------------------------------ the contract
     def train_batches(self, batch_size: int, seed: int = 0, shard=None) -> tf.data.Dataset:
@@ -226,23 +332,23 @@ class StreamSource:
         ``shard=(index, count)``: this process loads only its rows of each batch (the rest are zeros)."""
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
         rows = check_shard(shard, batch_size)
+        pixels, labels = self.pixels, self.labels
 
         def example(position, key):
             def load():
                 image, label = self._example(key)
-                k = tf.stack([tf.constant(seed, tf.int64) + 1, position])
-                image = augment_image(image, self.augment, k, self.max_value * self.rescale)
-                return self._standardized(image), label
+                image = pixels.augmented(image, tf.stack([tf.constant(seed, tf.int64) + 1, position]))
+                return pixels.standardized(image), label
 
             if rows is None:
                 image, label = load()
             else:
                 row = position % batch_size
                 mine = tf.logical_and(row >= rows[0], row < rows[1])
-                image, label = tf.cond(mine, load, lambda: (tf.zeros(self.image_shape), self._no_label()))
+                image, label = tf.cond(mine, load, lambda: (tf.zeros(pixels.shape), labels.zero()))
             return {"image": image, "label": label}
 
-        ds = self._train_stream(seed).enumerate()
+        ds = self.reader.train_keys(seed).enumerate()
         ds = ds.map(example, num_parallel_calls=AUTOTUNE, deterministic=True)
         return _checkpointable(ds.batch(batch_size, drop_remainder=True).prefetch(AUTOTUNE))
 
@@ -252,67 +358,51 @@ class StreamSource:
 
         def example(*key):
             image, label = self._example(key[0] if len(key) == 1 else key)
-            return {"image": self._standardized(image), "label": label}
+            return {"image": self.pixels.standardized(image), "label": label}
 
-        ds = self._test_stream().map(example, num_parallel_calls=AUTOTUNE, deterministic=True)
+        ds = self.reader.test_keys().map(example, num_parallel_calls=AUTOTUNE, deterministic=True)
         return ds.batch(batch_size).prefetch(AUTOTUNE)
 
     def describe(self) -> str:
         """One line for the run's header: what the model receives."""
-        aug = ", augment " + " ".join(self.info["augment"]) if self.augment else ""
         sizes = f"{self.train_size if self.train_size is not None else '?'} train / " \
                 f"{self.test_size if self.test_size is not None else '?'} test"
         skipped = self.info.get("skipped_corrupt")
         notes = "".join(f", {note}" for note in self.info.get("notes", []))
-        values = f"values 0..{self.max_value * self.rescale:g}"
-        if self.standardize:
-            values += f", then (x - mean {_short(self.standardize[0])}) / std {_short(self.standardize[1])}"
-        labels = f"{self.num_classes} classes" if self.target_shape is None else \
-            f"float targets {list(self.target_shape)}"
-        return (f"{self.name}: {sizes}, images {list(self.image_shape)}, {labels}, "
-                f"rescale {_fraction(self.rescale)} ({values}){aug}"
-                + (f", {skipped} corrupt {self._unit}(s) skipped" if skipped else "")
+        return (f"{self.name}: {sizes}, " + self.pixels.describe(self.labels.describe())
+                + (f", {skipped} corrupt {self.reader.unit}(s) skipped" if skipped else "")
                 + (f" (e.g. {self.info['corrupt_example']})" if skipped and self.info.get("corrupt_example") else "")
                 + notes)
 
-    _unit = "file"  # what ``skipped_corrupt`` counts
-
-    def fingerprint(self) -> dict | None:
-        """What the data is, for a resume to compare (``_fingerprint``); ``None``: not known. Computed once."""
-        if not hasattr(self, "_fingerprint_cache"):
-            self._fingerprint_cache = self._fingerprint()
-        return self._fingerprint_cache
-
-    def _fingerprint(self) -> dict | None:
-        return None
+    def fingerprint(self) -> dict:
+        """What the data is, for a resume to compare (``_fingerprint``): the reader's files and the identity given.
+        Computed once."""
+        if self._fingerprint is None:
+            self._fingerprint = {"source": self.name, **self.identity, **self.reader.fingerprint()}
+        return self._fingerprint
 
     def find_unreadable(self) -> str | None:
         """After a read or decode failure that names no file: which file or record it is, as one line."""
-        return None
-
-    def _standardized(self, image):
-        if not self.standardize:
-            return image
-        mean, std = (tf.constant(v, tf.float32) for v in self.standardize)
-        return (image - mean) / std
+        return self.reader.find_unreadable(self.decoder)
 
     def _example(self, key):
-        image, label = self._load(key)
-        image = tf.ensure_shape(image, self.image_shape)
-        image = tf.cast(image, tf.float32)
-        if self.rescale != 1.0:
-            image = image * self.rescale
-        if self.target_shape is not None:
-            return image, tf.reshape(tf.cast(label, tf.float32), self.target_shape)
-        return image, tf.cast(label, tf.int32)
-
-    def _no_label(self):
-        if self.target_shape is not None:
-            return tf.zeros(self.target_shape, tf.float32)
-        return tf.constant(0, tf.int32)
+        image, label = self.decoder(key)
+        return self.pixels.scaled(image), self.labels.cast(label)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.describe()})"
+
+
+def same_size(image, shape, resize: bool, *what, first: str = "the first"):
+    """``image`` resized to ``shape``'s height and width (``resize``), else checked to have them: the pipeline stops
+    with ``<what> is HxW but <first> is hxw; set data.image_size=...``."""
+    h, w = shape[0], shape[1]
+    if resize:
+        return tf.image.resize(image, [h, w])
+    size = tf.shape(image)
+    ok = tf.logical_and(tf.equal(size[0], h), tf.equal(size[1], w))
+    return fail_unless(ok, image, *what, " is ", size[0], "x", size[1], f" but {first} is {h}x{w}; set "
+                       f"data.image_size=[height,width] to resize every image")
 
 
 def fail_unless(ok, value, *parts):

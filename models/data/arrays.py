@@ -13,55 +13,76 @@ import numpy as np
 import tensorflow as tf
 
 from ._fingerprint import array_signature, rows_signature
-from ._stream import StreamSource, parse_augment, parse_rescale, parse_standardize, shuffled_indices
+from ._stream import ImagePipeline, Labels, Pixels, parse_augment, parse_rescale, parse_standardize, shuffled_indices
 
 
-class ArraySource(StreamSource):
-    """Images ``x[i]`` and labels ``y[i]`` of (possibly memory-mapped) arrays; see ``arrays``."""
+class ArrayReader:
+    """Rows of (possibly memory-mapped) arrays as keys ``(split, row, label)`` (split 0: the training array, 1: the
+    test array; they may be one array split by rows), each epoch's order a permutation drawn from ``(seed, epoch)``.
+    ``paths``: the files the arrays came from (training, test), for the fingerprint."""
 
-    def __init__(self, x_train, train_rows, y_train, x_test, test_rows, y_test, num_classes: int, **kwargs):
-        self._x = {"train": x_train, "test": x_test}
-        self._rows = {"train": tf.constant(train_rows, tf.int64), "test": tf.constant(test_rows, tf.int64)}
-        label_type = tf.float32 if np.issubdtype(y_train.dtype, np.floating) else tf.int32
-        self._y = {"train": tf.constant(y_train, label_type), "test": tf.constant(y_test, label_type)}
-        self._dtype = tf.as_dtype(x_train.dtype)
-        shape = tuple(x_train.shape[1:]) if x_train.ndim == 4 else (*x_train.shape[1:], 1)
-        self._y_values = {"train": y_train, "test": y_test}
-        self._row_values = {"train": train_rows, "test": test_rows}
-        super().__init__("arrays", shape, num_classes, len(train_rows), len(test_rows), **kwargs)
+    unit = "row"
 
-    def _fingerprint(self):
-        paths = {"train": self.info["path"], "test": self.info.get("test_path") or self.info["path"]}
-        arrays = {}
-        for split in ("train", "test"):
-            x, y = self._x[split], self._y_values[split]
-            arrays[f"{split} images"] = {"shape": list(x.shape), "dtype": str(x.dtype),
-                                         "content": array_signature(x, paths[split])}
-            arrays[f"{split} labels"] = {"shape": list(y.shape), "dtype": str(y.dtype), "content": array_signature(y)}
-        return {"source": self.name, "arrays": arrays,
-                "rows": {split: rows_signature(rows) for split, rows in self._row_values.items()}}
+    def __init__(self, x_train, train_rows, y_train, x_test, test_rows, y_test, paths=(None, None)):
+        self.x = {"train": x_train, "test": x_test}
+        self.rows = {"train": np.asarray(train_rows), "test": np.asarray(test_rows)}
+        self.y = {"train": y_train, "test": y_test}
+        self.paths = dict(zip(("train", "test"), paths))
 
-    def _train_stream(self, seed):
-        rows, y = self._rows["train"], self._y["train"]
+    @property
+    def train_size(self) -> int:
+        return len(self.rows["train"])
+
+    @property
+    def test_size(self) -> int:
+        return len(self.rows["test"])
+
+    def _labels(self, split: str):
+        floats = np.issubdtype(self.y["train"].dtype, np.floating)
+        return tf.constant(self.y[split], tf.float32 if floats else tf.int32)
+
+    def train_keys(self, seed):
+        rows, y = tf.constant(self.rows["train"], tf.int64), self._labels("train")
         return shuffled_indices(self.train_size, seed).map(lambda i: (tf.constant(0), rows[i], y[i]))
 
-    def _test_stream(self):
-        return tf.data.Dataset.from_tensor_slices((tf.ones_like(self._rows["test"], tf.int32), self._rows["test"],
-                                                   self._y["test"]))
+    def test_keys(self):
+        rows = tf.constant(self.rows["test"], tf.int64)
+        return tf.data.Dataset.from_tensor_slices((tf.ones_like(rows, tf.int32), rows, self._labels("test")))
 
-    def _load(self, key):
+    def fingerprint(self) -> dict:
+        arrays = {}
+        for split in ("train", "test"):
+            x, y = self.x[split], self.y[split]
+            arrays[f"{split} images"] = {"shape": list(x.shape), "dtype": str(x.dtype),
+                                         "content": array_signature(x, self.paths[split])}
+            arrays[f"{split} labels"] = {"shape": list(y.shape), "dtype": str(y.dtype), "content": array_signature(y)}
+        return {"arrays": arrays, "rows": {split: rows_signature(rows) for split, rows in self.rows.items()}}
+
+    def find_unreadable(self, decoder) -> str | None:
+        return None  # rows in memory or memory-mapped: nothing to decode
+
+
+class RowDecoder:
+    """A key ``(split, row, label)`` as that row of the training (split 0) or test array, shaped ``shape``."""
+
+    def __init__(self, x_train, x_test, shape):
+        self.x_train, self.x_test, self.shape = x_train, x_test, tuple(shape)
+
+    def __call__(self, key):
         split, row, label = key
-        # Train and test may be different files: split 0 reads the training array, 1 the test array.
-        x_train, x_test = self._x["train"], self._x["test"]
+        x_train, x_test = self.x_train, self.x_test
         image = tf.numpy_function(lambda s, r: np.asarray((x_train if s == 0 else x_test)[r]), [split, row],
-                                  self._dtype, stateful=False)
-        return tf.reshape(image, self.image_shape), label
+                                  tf.as_dtype(x_train.dtype), stateful=False)
+        return tf.reshape(image, self.shape), label
+
+    def decodes(self, key):
+        return tf.constant(True)
 
 
 def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_path: str | None = None,
            test_path: str | None = None, test_labels_path: str | None = None, test_fraction: float | None = None,
            split_seed: int = 0, num_classes: int | None = None, rescale=None, augment=(), mean=None,
-           std=None) -> ArraySource:
+           std=None) -> ImagePipeline:
     """Images and their labels from NumPy files: integer class numbers, or float targets (regression).
 
     Args:
@@ -104,25 +125,32 @@ def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_p
         info["test_fraction"] = float(fraction)
     y_train, y_test = y[train_rows], y_test[test_rows]
     scale, top = value_scale(x if test_path is None else (x, x_test), rescale)
-    common = dict(rescale=scale, augment=parse_augment(augment), max_value=top, info=info,
-                  standardize=parse_standardize(mean, std, x.shape[-1] if x.ndim == 4 else 1))
-    if np.issubdtype(y.dtype, np.floating):  # float targets: the model regresses them
+    shape = tuple(x.shape[1:]) if x.ndim == 4 else (*x.shape[1:], 1)
+    pixels = Pixels(shape, scale, tuple(parse_augment(augment)), top, parse_standardize(mean, std, shape[2]))
+    labels = _labels(y_train, y_test, num_classes, test_path, y_key if labels_path is None else "labels_path")
+    reader = ArrayReader(x, train_rows, y_train, x_test, test_rows, y_test,
+                         (info["path"], info.get("test_path") or info["path"]))
+    return ImagePipeline("arrays", reader, RowDecoder(x, x_test, shape), pixels, labels, info)
+
+
+def _labels(y_train, y_test, num_classes, test_path, key: str) -> Labels:
+    """Float targets (regression) where the labels are floats, else class numbers: ``num_classes`` or the largest
+    training label + 1, every label of both splits in their range."""
+    if np.issubdtype(y_train.dtype, np.floating):  # float targets: the model regresses them
         if y_test.shape[1:] != y_train.shape[1:] or not np.issubdtype(y_test.dtype, np.floating):
             raise ValueError(f"data.test_path={test_path!r}: its labels are {y_test.shape[1:]} {y_test.dtype}, the "
                              f"training targets {y_train.shape[1:]} {y_train.dtype}; they must match.")
-        return ArraySource(x, train_rows, y_train, x_test, test_rows, y_test, 1, target_shape=y_train.shape[1:],
-                           **common)
-    classes = num_classes if num_classes is not None else int(y_train.max()) + 1
-    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
-        raise ValueError(f"data.num_classes={num_classes!r}: must be an integer >= 1 or null.")
-    for split, labels in (("training", y_train), ("test", y_test)):
-        if labels.min() < 0 or labels.max() >= classes:
-            bad = labels.min() if labels.min() < 0 else labels.max()
+        return Labels.of(target_shape=y_train.shape[1:])
+    labels = Labels.of(num_classes if num_classes is not None else int(y_train.max()) + 1,
+                       hint="must be an integer >= 1 or null")
+    for split, values in (("training", y_train), ("test", y_test)):
+        if values.min() < 0 or values.max() >= labels.num_classes:
+            bad = values.min() if values.min() < 0 else values.max()
             where = ("data.num_classes" if num_classes is not None else
                      "the training labels' largest + 1; this test class is absent from training")
-            raise ValueError(f"data.{y_key if labels_path is None else 'labels_path'}: the {split} labels hold {bad}, "
-                             f"outside the class range 0..{classes - 1} ({where}).")
-    return ArraySource(x, train_rows, y_train, x_test, test_rows, y_test, classes, **common)
+            raise ValueError(f"data.{key}: the {split} labels hold {bad}, outside the class range "
+                             f"0..{labels.num_classes - 1} ({where}).")
+    return labels
 
 
 _CHUNK = 4096  # rows read at once for a range or a finiteness check (the arrays may be memory-mapped)

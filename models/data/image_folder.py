@@ -14,65 +14,89 @@ import tensorflow as tf
 
 from ._fingerprint import file_signatures
 from ._source import AUTOTUNE
-from ._stream import (StreamSource, check_image_size, fail_unless, parse_augment, parse_rescale, parse_standardize,
-                      shuffled_indices)
+from ._stream import (ImagePipeline, Labels, Pixels, check_image_size, fail_unless, parse_augment, parse_rescale,
+                      parse_standardize, same_size, shuffled_indices)
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 COLOR_MODES = {"rgb": 3, "grayscale": 1, "rgba": 4}
 _TAIL = 4096  # trailing bytes searched for a JPEG or GIF end marker (data after it, e.g. padding, is allowed)
 
 
-class ImageFolderSource(StreamSource):
-    """Image files and their class numbers; see ``image_folder``."""
+class FileReader:
+    """Image files and their class numbers, as keys ``(path, label)``: the files listed once, each epoch's order a
+    permutation drawn from ``(seed, epoch)``. ``roots``: the folders the files' names in the fingerprint are
+    relative to (training, test)."""
 
-    def __init__(self, train: tuple[list[str], np.ndarray], test: tuple[list[str], np.ndarray], class_names,
-                 image_shape, resize: bool, **kwargs):
-        self._train_paths, self._train_labels = tf.constant(train[0]), tf.constant(train[1], tf.int32)
-        self._test_paths, self._test_labels = tf.constant(test[0]), tf.constant(test[1], tf.int32)
-        self._resize = resize
-        self.class_names = list(class_names)
-        self._files = {"train": list(train[0]), "test": list(test[0])}
-        super().__init__("image_folder", image_shape, len(class_names), len(train[0]), len(test[0]), **kwargs)
+    unit = "file"
 
-    def _fingerprint(self):
-        roots = [self.info["path"], self.info.get("test_path") or self.info["path"]]
+    def __init__(self, train: tuple[list[str], np.ndarray], test: tuple[list[str], np.ndarray], roots=(None, None)):
+        self.files = {"train": list(train[0]), "test": list(test[0])}
+        self.labels = {"train": np.asarray(train[1], np.int32), "test": np.asarray(test[1], np.int32)}
+        self.roots = tuple(roots)
+
+    @property
+    def train_size(self) -> int:
+        return len(self.files["train"])
+
+    @property
+    def test_size(self) -> int:
+        return len(self.files["test"])
+
+    def train_keys(self, seed):
+        paths, labels = tf.constant(self.files["train"]), tf.constant(self.labels["train"], tf.int32)
+        return shuffled_indices(self.train_size, seed).map(lambda i: (paths[i], labels[i]))
+
+    def test_keys(self):
+        return tf.data.Dataset.from_tensor_slices((tf.constant(self.files["test"]),
+                                                   tf.constant(self.labels["test"], tf.int32)))
+
+    def fingerprint(self) -> dict:
         files = {}
-        for (split, paths), root in zip(self._files.items(), roots):
-            names = [os.path.relpath(p, root) for p in paths]
+        for (split, paths), root in zip(self.files.items(), self.roots):
+            names = [os.path.relpath(p, root) for p in paths] if root else None
             files[split] = file_signatures(paths, names)
-        return {"source": self.name, "classes": {n: i for i, n in enumerate(self.class_names)}, "files": files}
+        return {"files": files}
 
-    def find_unreadable(self):
-        paths = self._files["train"] + self._files["test"]
-        bad = [p for p, ok in zip(paths, decodes(paths, self.image_shape[2])) if not ok]
+    def find_unreadable(self, decoder) -> str | None:
+        paths = self.files["train"] + self.files["test"]
+        bad = [p for p, ok in zip(paths, decodes(paths, decoder.channels)) if not ok]
         if not bad:
             return None
         more = f" ({len(bad)} such files)" if len(bad) > 1 else ""
         return (f"data: {bad[0]} cannot be decoded (corrupt){more}; remove it, or set data.skip_corrupt=true to "
                 f"leave such files out (counted)")
 
-    def _train_stream(self, seed):
-        n = self.train_size
-        return shuffled_indices(n, seed).map(lambda i: (self._train_paths[i], self._train_labels[i]))
 
-    def _test_stream(self):
-        return tf.data.Dataset.from_tensor_slices((self._test_paths, self._test_labels))
+class FileDecoder:
+    """A key ``(path, label)`` as the file's decoded image (JPEG, PNG, BMP, GIF; ``shape``'s channels), resized to
+    ``shape`` (``resize``) or checked to have its size, and the label."""
 
-    def _load(self, key):
+    def __init__(self, shape, resize: bool):
+        self.shape, self.resize = tuple(shape), resize
+
+    @property
+    def channels(self) -> int:
+        return self.shape[2]
+
+    def __call__(self, key):
         path, label = key
         contents = tf.io.read_file(path)
         contents = fail_unless(looks_complete(contents), contents, "data: ", path, " is not a complete JPEG, "
                                "PNG, BMP or GIF file (corrupt or truncated); remove it, or set "
                                "data.skip_corrupt=true to skip such files")
-        h, w, c = self.image_shape
-        image = tf.io.decode_image(contents, channels=c, expand_animations=False)
-        if self._resize:
-            return tf.image.resize(image, [h, w]), label
-        size = tf.shape(image)
-        ok = tf.logical_and(tf.equal(size[0], h), tf.equal(size[1], w))
-        image = fail_unless(ok, image, "data: ", path, " is ", size[0], "x", size[1], f" but the first image is "
-                            f"{h}x{w}; set data.image_size=[height,width] to resize every image")
-        return image, label
+        image = tf.io.decode_image(contents, channels=self.channels, expand_animations=False)
+        return same_size(image, self.shape, self.resize, "data: ", path, first="the first image"), label
+
+    def decodes(self, key):
+        return file_decodes(key[0], self.channels)
+
+
+def file_decodes(path, channels: int = 0):
+    """Whether the file at ``path`` (a string tensor) is complete (``looks_complete``) and decodes: the tensor
+    exists only once it is decoded."""
+    contents = tf.io.read_file(path)
+    image = tf.io.decode_image(contents, channels=channels, expand_animations=False)
+    return tf.logical_and(looks_complete(contents), tf.size(image) >= 0)  # the size: decode it
 
 
 def looks_complete(contents):
@@ -215,7 +239,7 @@ def _walk(folder: str, real_root: str, other_classes: set, listing: Listing) -> 
 def image_folder(path: str | None = None, test_path: str | None = None, validation_split: float | None = None,
                  split_seed: int = 0, image_size: Sequence[int] | None = None, color_mode: str = "rgb",
                  rescale="1/255", augment: Sequence[str] = (), skip_corrupt: bool = False, mean=None,
-                 std=None, class_names: Sequence[str] | None = None) -> ImageFolderSource:
+                 std=None, class_names: Sequence[str] | None = None) -> ImagePipeline:
     """Images in ``path/<class>/...``, decoded on the fly; classes are the sorted subfolder names.
 
     Args:
@@ -281,10 +305,13 @@ def image_folder(path: str | None = None, test_path: str | None = None, validati
             info[key] = len(items)
     if notes:
         info["notes"] = notes
-    size = check_image_size(image_size) or _first_size(train[0][0], channels)
-    return ImageFolderSource(train, test, classes, (*size, channels), resize=image_size is not None,
-                             rescale=parse_rescale(rescale, 1 / 255), augment=parse_augment(augment), info=info,
-                             standardize=parse_standardize(mean, std, channels))
+    shape = (*(check_image_size(image_size) or _first_size(train[0][0], channels)), channels)
+    pixels = Pixels(shape, parse_rescale(rescale, 1 / 255), tuple(parse_augment(augment)),
+                    standardize=parse_standardize(mean, std, channels))
+    reader = FileReader(train, test, roots=(path, info.get("test_path") or path))
+    return ImagePipeline("image_folder", reader, FileDecoder(shape, image_size is not None), pixels,
+                         Labels.of(len(classes)), info, identity={"classes": {n: i for i, n in enumerate(classes)}},
+                         class_names=classes)
 
 
 def number_classes(found: list[str], given, path: str) -> list[str]:
@@ -335,13 +362,9 @@ def decodes(paths: list[str], channels: int = 0) -> np.ndarray:
     if not paths:
         return np.zeros(0, bool)
 
-    def check(i):
-        contents = tf.io.read_file(tf.gather(names, i))
-        image = tf.io.decode_image(contents, channels=channels, expand_animations=False)
-        return i, tf.logical_and(looks_complete(contents), tf.size(image) >= 0)  # the size: decode it
-
     names = tf.constant(paths)
-    ds = tf.data.Dataset.range(len(paths)).map(check, num_parallel_calls=AUTOTUNE).ignore_errors()
+    ds = tf.data.Dataset.range(len(paths)).map(lambda i: (i, file_decodes(tf.gather(names, i), channels)),
+                                               num_parallel_calls=AUTOTUNE).ignore_errors()
     ok = np.zeros(len(paths), bool)
     for i, good in ds.as_numpy_iterator():
         ok[i] = good

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from ..losses import PAD_ID
 from ._source import AUTOTUNE, check_batch_size, check_seed
+from .source import BaseSource
 
 BOS_ID, EOS_ID, FIRST_SYMBOL = 1, 2, 3
 EVAL_SEED = 2**40 + 17
@@ -30,7 +31,7 @@ def _check_buckets(name: str, buckets) -> list[int]:
     return [int(b) for b in values]
 
 
-class SequenceSource:
+class SequenceSource(BaseSource):
     """Reversal-task batches ``{"source", "target_in", "target_out"}`` (int32), one bucket pair per batch.
 
     Args:
@@ -62,7 +63,7 @@ class SequenceSource:
     def bucket_pairs(self) -> list[tuple[int, int]]:
         return [(s, t) for s in self.source_buckets for t in self.target_buckets]
 
-    def train_batches(self, batch_size: int, seed: int = 0) -> tf.data.Dataset:
+    def train_batches(self, batch_size: int, seed: int = 0, shard=None) -> tf.data.Dataset:
         """Endless batches, each from a bucket pair drawn from ``(seed, batch index)``."""
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
         ds = tf.data.Dataset.counter().map(lambda i: self._batch(i, batch_size, seed),

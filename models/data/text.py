@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from .._util import check_int
 from ._source import AUTOTUNE, check_batch_size, check_seed
+from .source import BaseSource
 
 UNKNOWN_ID = 0
 # Folders of the standard library that are not its own code: test suites (with deliberately broken or
@@ -95,7 +96,7 @@ def read_corpus(path: str | None, max_chars: int | None) -> tuple[str, str]:
     return text, origin
 
 
-class TextSource:
+class TextSource(BaseSource):
     """Next-character batches ``{"tokens", "targets"}`` (int32 ``[batch, seq_len]``; targets shifted by one).
 
     The vocabulary is the characters of the training split, sorted, with id ``0`` for any other
@@ -161,7 +162,7 @@ class TextSource:
             starts = np.arange(count) * t
         return self.valid_ids[starts[:, None] + np.arange(t + 1)[None, :]]
 
-    def train_batches(self, batch_size: int, seed: int = 0) -> tf.data.Dataset:
+    def train_batches(self, batch_size: int, seed: int = 0, shard=None) -> tf.data.Dataset:
         """Endless batches of windows whose starts are drawn from ``(seed, batch index)``."""
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
         ids = tf.constant(self.train_ids)

@@ -14,52 +14,37 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from ._stream import (check_counts, check_image_size, check_label, fail_unless, parse_augment, parse_rescale,
-                      parse_standardize)
-from .tfrecord import TFRecordSource
+from ._stream import (ImagePipeline, Labels, Pixels, check_counts, check_image_size, parse_augment, parse_rescale,
+                      parse_standardize, same_size)
+from .tfrecord import ShardReader, skipped_records
 
 _VERSION = re.compile(r"^\d+\.\d+\.\d+$")
 
 
-class TFDSSource(TFRecordSource):
-    """Records of a prepared TFDS data set, decoded by its features; see ``tfds``."""
+class FeatureDecoder:
+    """A record of a prepared TFDS data set as its image and label, decoded by the data set's own features; the
+    image resized to ``shape`` or checked to have its size."""
 
-    def __init__(self, features, **kwargs):
-        self._features = features
-        super().__init__(**kwargs)
+    def __init__(self, features, spec: dict, shape, resize: bool, labels: Labels, name: str):
+        self.features, self.spec, self.shape, self.resize, self.labels, self.name = (features, spec, tuple(shape),
+                                                                                     resize, labels, name)
 
-    def _decoded(self, record):
-        return tf.size(self._features.deserialize_example(record)[self._spec["image_key"]])
+    def __call__(self, record):
+        spec = self.spec
+        example = self.features.deserialize_example(record)
+        label = self.labels.checked(example[spec["label_key"]], f"an example (data.label_key={spec['label_key']!r})")
+        return same_size(example[spec["image_key"]], self.shape, self.resize, f"data.name={self.name!r}: an image"), \
+            label
 
-    def _fingerprint(self):
-        out = super()._fingerprint()
-        out.update(tfds=f"{self.info['tfds_name']} {self.info['version']}",
-                   splits={self.info["train_split"]: self.train_size, self.info["test_split"]: self.test_size})
-        if getattr(self, "class_names", None):
-            out["classes"] = {name: i for i, name in enumerate(self.class_names)}
-        return out
-
-    def _load(self, record):
-        spec = self._spec
-        example = self._features.deserialize_example(record)
-        image, label = example[spec["image_key"]], example[spec["label_key"]]
-        if self.target_shape is None:
-            label = check_label(label, self.num_classes, f"an example (data.label_key={spec['label_key']!r})")
-        h, w, c = self.image_shape
-        if self._resize:
-            return tf.image.resize(image, [h, w]), label
-        size = tf.shape(image)
-        ok = tf.logical_and(tf.equal(size[0], h), tf.equal(size[1], w))
-        image = fail_unless(ok, image, f"data.name={self.info['tfds_name']!r}: an image is ", size[0], "x", size[1],
-                            f" but the first is {h}x{w}; set data.image_size=[height,width] to resize every image")
-        return image, label
+    def decodes(self, record):
+        return tf.size(self.features.deserialize_example(record)[self.spec["image_key"]])
 
 
 def tfds(name: str | None = None, data_dir: str | None = None, train_split: str = "train",
          test_split: str = "test", download: bool = False, image_key: str | None = None,
          label_key: str | None = None, num_classes: int | None = None, image_size: Sequence[int] | None = None,
          shuffle_buffer: int = 1024, cycle_length: int = 4, rescale=None, augment: Sequence[str] = (),
-         mean=None, std=None, skip_corrupt: bool = False) -> TFDSSource:
+         mean=None, std=None, skip_corrupt: bool = False) -> ImagePipeline:
     """A TFDS image-classification data set (``mnist``, ``cifar10``, ``imagenette/320px``, your own builder's).
 
     Args:
@@ -101,19 +86,19 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
     if not isinstance(image_feature, tfds_lib.features.Image) or len(shape) != 3:
         raise ValueError(f"data.image_key={image_key!r}: in {name!r} it is {image_feature!r}, not an image "
                          f"[height, width, channels].")
-    class_names, target_shape = None, None
+    class_names, labels = None, None
     label_dtype = tf.as_dtype(label_feature.tf_dtype)
     if isinstance(label_feature, tfds_lib.features.ClassLabel):
         class_names = list(label_feature.names)
-        num_classes = label_feature.num_classes
+        labels = Labels.of(label_feature.num_classes)
     elif label_dtype.is_floating and all(isinstance(d, int) for d in label_feature.shape):
-        target_shape = tuple(label_feature.shape)  # float targets: the model regresses them
+        labels = Labels.of(target_shape=tuple(label_feature.shape))  # float targets: the model regresses them
     elif not (label_feature.shape == () and label_dtype.is_integer):
         raise ValueError(f"data.label_key={label_key!r}: in {name!r} it is {label_feature!r}; expected class "
                          f"numbers (a ClassLabel or an integer scalar) or float targets of a fixed shape.")
-    elif isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(f"data.num_classes={num_classes!r}: {name!r}'s label {label_key!r} is a plain integer; "
-                         f"give the number of classes (an integer >= 1).")
+    else:
+        labels = Labels.of(num_classes, hint=f"{name!r}'s label {label_key!r} is a plain integer; give the number of "
+                                             f"classes (an integer >= 1)")
     check_counts(shuffle_buffer=shuffle_buffer, cycle_length=cycle_length)
     train, n_train = _split(info, train_split, "train_split", name)
     test, n_test = _split(info, test_split, "test_split", name)
@@ -127,23 +112,22 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
         image = features.deserialize_example(first)[image_key]
         size = [int(image.shape[0]), int(image.shape[1])]
     uint8 = tf.as_dtype(image_feature.tf_dtype) == tf.uint8
+    shape = (*size, shape[2])
+    pixels = Pixels(shape, parse_rescale(rescale, 1 / 255 if uint8 else 1.0), tuple(parse_augment(augment)),
+                    255.0 if uint8 else 1.0, parse_standardize(mean, std, shape[2]))
+    reader = ShardReader(train, test, None, shuffle_buffer, cycle_length, sizes=(n_train, n_test))
+    decoder = FeatureDecoder(features, {"image_key": image_key, "label_key": label_key}, shape, image_size is not None,
+                             labels, name)
     record = {"tfds_name": name, "data_dir": _where(builder), "version": str(builder.version),
               "train_split": train_split, "test_split": test_split, "image_key": image_key, "label_key": label_key}
     if class_names is not None:
         record["class_names"] = class_names
-    spec = {"image_key": image_key, "label_key": label_key}
-    source = TFDSSource(features, train_files=train, test_files=test, spec=spec, image_shape=(*size, shape[2]),
-                        resize=image_size is not None, num_classes=num_classes or 1, compression=None,
-                        shuffle_buffer=shuffle_buffer, cycle_length=cycle_length, name="tfds",
-                        sizes=(n_train, n_test), rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0),
-                        augment=parse_augment(augment), max_value=255.0 if uint8 else 1.0, info=record,
-                        standardize=parse_standardize(mean, std, shape[2]), target_shape=target_shape)
-    if class_names is not None:
-        source.class_names = class_names
     if skip_corrupt:
-        source.skip_corrupt()
-        source.info["skipped_corrupt"] += cut
-    return source
+        record.update(skipped_records(reader, decoder, cut))
+    identity = {"tfds": f"{name} {builder.version}", "splits": {train_split: reader.train_size,
+                                                                 test_split: reader.test_size},
+                **({"classes": {c: i for i, c in enumerate(class_names)}} if class_names else {})}
+    return ImagePipeline("tfds", reader, decoder, pixels, labels, record, identity, class_names)
 
 
 def _whole_records(train, test, name: str, skip_corrupt: bool):

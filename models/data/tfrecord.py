@@ -18,8 +18,8 @@ import tensorflow as tf
 
 from ._fingerprint import file_signatures
 from ._source import AUTOTUNE
-from ._stream import (StreamSource, check_counts, check_image_size, check_label, fail_unless, parse_augment,
-                      parse_rescale, parse_standardize)
+from ._stream import (ImagePipeline, Labels, Pixels, check_counts, check_image_size, fail_unless, parse_augment,
+                      parse_rescale, parse_standardize, same_size)
 from .image_folder import COLOR_MODES
 
 FORMATS = ("encoded", "raw")
@@ -28,45 +28,46 @@ COMPRESSION = (None, "GZIP", "ZLIB")
 _PART_TYPES = (tf.string, tf.int64, tf.int64)
 
 
-class TFRecordSource(StreamSource):
-    """Records with an image feature and an int64 label feature; see ``tfrecord``."""
+class ShardReader:
+    """TFRecord shards as keys (serialized records): each epoch the training shards in an order drawn from
+    ``(seed, epoch)``, ``cycle_length`` at a time, their records interleaved, then windows of ``shuffle_buffer``
+    records shuffled, each by its own key. A shard is a path, or ``(path, skip, take)``: its records skip .. skip +
+    take (take -1: to the end). ``counts``: records per shard where counted; ``sizes``: records per split (None:
+    unknown)."""
 
-    def __init__(self, train_files: list, test_files: list, spec: dict, image_shape, resize: bool,
-                 num_classes: int, compression, shuffle_buffer: int, cycle_length: int, name: str = "tfrecord",
-                 sizes=(None, None), counts=None, **kwargs):
-        # A shard is a path, or (path, skip, take): its records skip .. skip + take (take -1: to the end).
-        self.train_files, self.test_files = train_files, test_files
-        self._train_parts, self._test_parts = _parts(train_files), _parts(test_files)
-        self._spec, self._resize, self._compression = spec, resize, compression or ""
-        self.shuffle_buffer, self.cycle_length = shuffle_buffer, cycle_length
-        self._counts = dict(counts or {})  # records per shard, where counted (uncompressed shards)
-        super().__init__(name, image_shape, num_classes, *sizes, **kwargs)
+    unit = "record"
 
-    _unit = "record"
+    def __init__(self, train: list, test: list, compression=None, shuffle_buffer: int = 1024, cycle_length: int = 4,
+                 counts=None, sizes=(None, None)):
+        self.parts = {"train": _parts(train), "test": _parts(test)}
+        self.compression = compression or ""
+        self.shuffle_buffer = shuffle_buffer
+        self.cycle_length = min(cycle_length, len(train))  # shards read at once (of the shards given)
+        self.counts = dict(counts or {})
+        self.sizes = dict(zip(("train", "test"), sizes))
 
-    def _fingerprint(self):
+    @property
+    def train_size(self) -> int | None:
+        return self.sizes["train"]
+
+    @property
+    def test_size(self) -> int | None:
+        return self.sizes["test"]
+
+    def fingerprint(self) -> dict:
         shards = {}
-        for split, parts in (("train", self._train_parts), ("test", self._test_parts)):
+        for split, parts in self.parts.items():
             paths = list(dict.fromkeys(parts[0]))
             content = file_signatures(paths)
-            shards[split] = {p: {"size": os.path.getsize(p), "records": self._counts.get(p), "content": content[p]}
+            shards[split] = {p: {"size": os.path.getsize(p), "records": self.counts.get(p), "content": content[p]}
                              for p in paths}
-        return {"source": self.name, "shards": shards}
+        return {"shards": shards}
 
-    def _decoded(self, record):
-        """A tensor that exists only once the record's image decodes (what ``skip_corrupt`` checks)."""
-        spec = self._spec
-        data = tf.io.parse_single_example(record, {spec["image_key"]: tf.io.FixedLenFeature([], tf.string)})
-        data = data[spec["image_key"]]
-        if spec["format"] == "raw":
-            return tf.size(tf.io.decode_raw(data, spec["dtype"]))
-        return tf.size(tf.io.decode_image(data, expand_animations=False))
-
-    def scan(self, part) -> tuple[np.ndarray, str | None]:
+    def scan(self, part, decoder) -> tuple[np.ndarray, str | None]:
         """Read (and decode) every record of a shard ``(path, skip, take)``: per readable record whether its image
         decodes, and the reader's error where the shard cannot be read to its end (a corrupt record)."""
         path, skip, take = part
-        records = tf.data.TFRecordDataset(path, compression_type=self._compression).skip(skip).take(take)
+        records = tf.data.TFRecordDataset(path, compression_type=self.compression).skip(skip).take(take)
         readable = int(records.map(lambda r: tf.constant(1, tf.int64)).ignore_errors().reduce(
             tf.constant(0, tf.int64), lambda n, one: n + one))
         error = None
@@ -75,21 +76,20 @@ class TFRecordSource(StreamSource):
         except tf.errors.OpError as err:
             error = first_line(err)
         ok = np.zeros(readable, bool)
-        checked = records.take(readable).enumerate().map(lambda i, r: (i, self._decoded(r)),
+        checked = records.take(readable).enumerate().map(lambda i, r: (i, decoder.decodes(r)),
                                                          num_parallel_calls=AUTOTUNE).ignore_errors()
         for i, _ in checked.as_numpy_iterator():
             ok[i] = True
         return ok, error
 
-    def skip_corrupt(self) -> None:
-        """Leave out every record that cannot be read or decoded: the shards become the record ranges that can;
-        the count (and an example) goes to ``info`` and the header."""
+    def skip_corrupt(self, decoder) -> tuple[int, str | None]:
+        """Leave out every record that cannot be read or decoded: the shards become the record ranges that can.
+        Returns how many were left out and one of them, named."""
         skipped, example = set(), None  # a shard in both splits counts once
         for split in ("train", "test"):
-            paths, skips, takes = getattr(self, f"_{split}_parts")
             parts = []
-            for part in zip(paths, skips, takes):
-                ok, error = self.scan(part)
+            for part in zip(*self.parts[split]):
+                ok, error = self.scan(part, decoder)
                 bad = np.flatnonzero(~ok)
                 if error or bad.size:
                     where = int(bad[0]) if bad.size else len(ok)
@@ -98,18 +98,14 @@ class TFRecordSource(StreamSource):
                 parts += _ranges(part, ok)
             if not parts:
                 raise ValueError(f"data.{split}_files: no readable record left after skipping corrupt ones.")
-            setattr(self, f"_{split}_parts", tuple(list(c) for c in zip(*parts)))
-            size = sum(t for _, _, t in parts)
-            setattr(self, f"{split}_size", size)
-            self.info[f"{split}_size"] = size
-        self.info["skipped_corrupt"] = len(skipped)
-        if example:
-            self.info["corrupt_example"] = example
+            self.parts[split] = tuple(list(c) for c in zip(*parts))
+            self.sizes[split] = sum(t for _, _, t in parts)
+        return len(skipped), example
 
-    def find_unreadable(self):
+    def find_unreadable(self, decoder) -> str | None:
         for split in ("train", "test"):
-            for part in zip(*getattr(self, f"_{split}_parts")):
-                ok, error = self.scan(part)
+            for part in zip(*self.parts[split]):
+                ok, error = self.scan(part, decoder)
                 bad = np.flatnonzero(~ok)
                 if bad.size or error:
                     what = (f"record {int(bad[0]) + part[1]}'s image cannot be decoded" if bad.size else
@@ -120,14 +116,14 @@ class TFRecordSource(StreamSource):
 
     def _records(self, parts):
         def read(path, skip, take):
-            return tf.data.TFRecordDataset(path, compression_type=self._compression).skip(skip).take(take)
+            return tf.data.TFRecordDataset(path, compression_type=self.compression).skip(skip).take(take)
 
         # Sequential: reading records is cheap (decoding, in the parallel map after, is not), and a parallel
         # interleave under symbolic checkpointing crashes TensorFlow 2.21 now and then (a segfault).
-        return parts.interleave(read, cycle_length=min(self.cycle_length, len(self.train_files)))
+        return parts.interleave(read, cycle_length=self.cycle_length)
 
-    def _train_stream(self, seed):
-        paths, skips, takes = (tf.constant(c, dtype) for c, dtype in zip(self._train_parts, _PART_TYPES))
+    def train_keys(self, seed):
+        paths, skips, takes = (tf.constant(c, dtype) for c, dtype in zip(self.parts["train"], _PART_TYPES))
         window = self.shuffle_buffer
 
         def epoch(e):
@@ -144,22 +140,26 @@ class TFRecordSource(StreamSource):
 
         return tf.data.Dataset.counter().flat_map(epoch)
 
-    def _test_stream(self):
+    def test_keys(self):
         return self._records(tf.data.Dataset.from_tensor_slices(
-            tuple(tf.constant(c, dtype) for c, dtype in zip(self._test_parts, _PART_TYPES))))
+            tuple(tf.constant(c, dtype) for c, dtype in zip(self.parts["test"], _PART_TYPES))))
 
-    def _load(self, record):
-        spec = self._spec
-        if self.target_shape is None:
-            label_spec = tf.io.FixedLenFeature([], tf.int64)
-        else:
-            label_spec = tf.io.FixedLenFeature(self.target_shape, tf.float32)
+
+class ExampleDecoder:
+    """A ``tf.train.Example`` record as its image (``spec``: the image feature, encoded or raw bytes; resized to
+    ``shape`` or checked to have its size) and its label (``Labels``: an int64 class number or float targets)."""
+
+    def __init__(self, spec: dict, shape, resize: bool, labels: Labels):
+        self.spec, self.shape, self.resize, self.labels = spec, tuple(shape), resize, labels
+
+    def __call__(self, record):
+        spec, labels = self.spec, self.labels
+        label_spec = (tf.io.FixedLenFeature(labels.target_shape, tf.float32) if labels.floats else
+                      tf.io.FixedLenFeature([], tf.int64))
         features = tf.io.parse_single_example(record, {spec["image_key"]: tf.io.FixedLenFeature([], tf.string),
                                                        spec["label_key"]: label_spec})
-        data, label = features[spec["image_key"]], features[spec["label_key"]]
-        if self.target_shape is None:
-            label = check_label(label, self.num_classes, f"a record (data.label_key={spec['label_key']!r})")
-        h, w, c = self.image_shape
+        data = features[spec["image_key"]]
+        label = labels.checked(features[spec["label_key"]], f"a record (data.label_key={spec['label_key']!r})")
         if spec["format"] == "raw":
             values = tf.io.decode_raw(data, spec["dtype"])
             need = int(np.prod(spec["shape"]))
@@ -167,16 +167,18 @@ class TFRecordSource(StreamSource):
                                  f"a record holds ", tf.size(values), f" {spec['dtype'].name} values; data.image_shape="
                                  f"{list(spec['shape'])} needs {need}")
             image = tf.reshape(values, spec["shape"])
-            return (tf.image.resize(image, [h, w]) if self._resize else image), label
-        image = tf.io.decode_image(data, channels=c, expand_animations=False)
-        if self._resize:
-            return tf.image.resize(image, [h, w]), label
-        size = tf.shape(image)
-        ok = tf.logical_and(tf.equal(size[0], h), tf.equal(size[1], w))
-        image = fail_unless(ok, image, f"data.image_key={spec['image_key']!r}: a record's image is ", size[0], "x",
-                            size[1], f" but the first is {h}x{w}; set data.image_size=[height,width] to resize every "
-                            f"image")
-        return image, label
+            return (tf.image.resize(image, self.shape[:2]) if self.resize else image), label
+        image = tf.io.decode_image(data, channels=self.shape[2], expand_animations=False)
+        return same_size(image, self.shape, self.resize, f"data.image_key={spec['image_key']!r}: a record's image"), label
+
+    def decodes(self, record):
+        """A tensor that exists only once the record's image decodes (what ``skip_corrupt`` checks)."""
+        spec = self.spec
+        data = tf.io.parse_single_example(record, {spec["image_key"]: tf.io.FixedLenFeature([], tf.string)})
+        data = data[spec["image_key"]]
+        if spec["format"] == "raw":
+            return tf.size(tf.io.decode_raw(data, spec["dtype"]))
+        return tf.size(tf.io.decode_image(data, expand_animations=False))
 
 
 def tfrecord(train_files=None, test_files=None, compression: str | None = None, image_key: str = "image",
@@ -184,7 +186,7 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
              label_key: str = "label", num_classes: int | None = None, image_size: Sequence[int] | None = None,
              color_mode: str = "rgb", shuffle_buffer: int = 1024, cycle_length: int = 4, rescale="1/255",
              augment: Sequence[str] = (), mean=None, std=None, label_format: str = "class",
-             target_shape: Sequence[int] = (), skip_corrupt: bool = False) -> TFRecordSource:
+             target_shape: Sequence[int] = (), skip_corrupt: bool = False) -> ImagePipeline:
     """TFRecord shards of ``tf.train.Example`` records: an image feature and a label feature (int64 class
     numbers, or float targets).
 
@@ -206,8 +208,39 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
             short keeps its whole records); ``False``: a shard cut short stops the run at the start, a corrupt
             record when it is reached, each naming the shard.
     """
-    train = _files(train_files, "train_files")
-    test = _files(test_files, "test_files")
+    train, test = _files(train_files, "train_files"), _files(test_files, "test_files")
+    spec, labels = _checked_spec(compression, image_key, image_format, image_shape, image_dtype, label_key,
+                                 num_classes, color_mode, label_format, target_shape, shuffle_buffer, cycle_length)
+    first_image = _check_first_record(train[0], "train_files", spec, compression)
+    _check_first_record(test[0], "test_files", spec, compression)
+    (train, test), counts, cut = _whole_shards(train, test, compression, skip_corrupt)
+    shape = _image_shape(spec, image_size, COLOR_MODES[color_mode], first_image)
+    uint8 = image_format == "encoded" or spec["dtype"] == tf.uint8
+    pixels = Pixels(shape, parse_rescale(rescale, 1 / 255 if uint8 else 1.0), tuple(parse_augment(augment)),
+                    255.0 if uint8 else 1.0, parse_standardize(mean, std, shape[2]))
+    sizes = tuple(sum(counts[_path(f)] if isinstance(f, str) else f[2] for f in files) if counts else None
+                  for files in (train, test))
+    reader = ShardReader(train, test, compression, shuffle_buffer, cycle_length, counts, sizes)
+    decoder = ExampleDecoder(spec, shape, image_size is not None, labels)
+    info = {"train_files": [_path(f) for f in train], "test_files": [_path(f) for f in test],
+            "image_key": image_key, "label_key": label_key}
+    if skip_corrupt:
+        info.update(skipped_records(reader, decoder, len(cut),
+                                    f"{cut[0][0]} record {cut[0][1]} (cut short)" if cut else None))
+    return ImagePipeline("tfrecord", reader, decoder, pixels, labels, info)
+
+
+def skipped_records(reader: ShardReader, decoder, cut: int = 0, cut_example: str | None = None) -> dict:
+    """``data.skip_corrupt``: the reader's unreadable records left out (``ShardReader.skip_corrupt``), and the
+    count (with the ``cut`` shards' records past their last whole one) and an example, for ``info``."""
+    skipped, example = reader.skip_corrupt(decoder)
+    example = example or cut_example
+    return {"skipped_corrupt": skipped + cut, **({"corrupt_example": example} if example else {})}
+
+
+def _checked_spec(compression, image_key, image_format, image_shape, image_dtype, label_key, num_classes, color_mode,
+                  label_format, target_shape, shuffle_buffer, cycle_length) -> tuple[dict, Labels]:
+    """The record's features as ``tfrecord`` reads them (``spec``) and its labels, each argument checked."""
     if compression not in COMPRESSION:
         raise ValueError(f"data.compression={compression!r}: allowed: null, GZIP, ZLIB.")
     if image_format not in FORMATS:
@@ -217,14 +250,9 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
     if label_format not in LABEL_FORMATS:
         raise ValueError(f"data.label_format={label_format!r}: allowed: {', '.join(LABEL_FORMATS)}.")
     floats = label_format == "float"
-    if floats:
-        target_shape = list(target_shape or [])
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in target_shape):
-            raise ValueError(f"data.target_shape={target_shape!r}: the shape of one example's targets, integers "
-                             f">= 1 ([] for one value).")
-    elif isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(f"data.num_classes={num_classes!r}: give the number of classes (an integer >= 1; labels "
-                         f"are 0 .. num_classes - 1), or set data.label_format=float for float targets.")
+    labels = Labels.of(num_classes, list(target_shape or []) if floats else None,
+                       "give the number of classes (an integer >= 1; labels are 0 .. num_classes - 1), or set "
+                       "data.label_format=float for float targets")
     check_counts(shuffle_buffer=shuffle_buffer, cycle_length=cycle_length)
     try:
         dtype = tf.as_dtype(image_dtype)
@@ -232,14 +260,19 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
         raise ValueError(f"data.image_dtype={image_dtype!r}: not a dtype (uint8, float32, ...).") from None
     spec = {"image_key": image_key, "label_key": label_key, "format": image_format, "dtype": dtype,
             "label_kinds": ("float_list", "int64_list") if floats else ("int64_list",),
-            "label_size": int(np.prod(target_shape)) if floats else 1}
+            "label_size": labels.num_classes if floats else 1}
     if image_format == "raw":
         if image_shape is None or len(image_shape) != 3 or any(not isinstance(d, int) or d < 1 for d in image_shape):
             raise ValueError(f"data.image_shape={image_shape!r}: raw images need their shape [height, width, "
                              f"channels].")
         spec["shape"] = tuple(image_shape)
-    first_image = _check_first_record(train[0], "train_files", spec, compression)
-    _check_first_record(test[0], "test_files", spec, compression)
+    return spec, labels
+
+
+def _whole_shards(train: list, test: list, compression, skip_corrupt: bool):
+    """The shards as read: a shard cut short (uncompressed: its record headers walked) refused naming it, or
+    (``skip_corrupt``) read to its last whole record as ``(path, 0, records)``. Returns both splits, the records per
+    shard (uncompressed shards) and the cut shards ``(path, whole records, offset, size)``."""
     counts, cut = ({}, []) if compression else _count_records(dict.fromkeys(train + test))
     if cut and not skip_corrupt:
         path, records, offset, size = cut[0]
@@ -248,31 +281,18 @@ def tfrecord(train_files=None, test_files=None, compression: str | None = None, 
                          f"({size} bytes){f'; {len(cut)} such shards' if len(cut) > 1 else ''}; restore the shard, "
                          f"or set data.skip_corrupt=true to read its {records} whole records.")
     whole = {path: records for path, records, _, _ in cut}  # a shard cut short: its whole records
-    train, test = ([(f, 0, whole[f]) if f in whole else f for f in files] for files in (train, test))
-    channels = spec["shape"][2] if image_format == "raw" else COLOR_MODES[color_mode]
+    return [[(f, 0, whole[f]) if f in whole else f for f in files] for files in (train, test)], counts, cut
+
+
+def _image_shape(spec: dict, image_size, channels: int, first_image: bytes) -> tuple:
+    """``(h, w, c)``: ``image_size``, else a raw image's shape, else the first record's image's size."""
+    if spec["format"] == "raw":
+        return (*(check_image_size(image_size) or spec["shape"][:2]), spec["shape"][2])
     size = check_image_size(image_size)
-    if size is None and image_format == "raw":
-        size = list(spec["shape"][:2])
-    elif size is None:
+    if size is None:
         decoded = tf.io.decode_image(first_image, channels=channels, expand_animations=False)
         size = [int(decoded.shape[0]), int(decoded.shape[1])]
-    uint8 = image_format == "encoded" or dtype == tf.uint8
-    info = {"train_files": [_path(f) for f in train], "test_files": [_path(f) for f in test],
-            "image_key": image_key, "label_key": label_key}
-    sizes = tuple(sum(counts[_path(f)] if isinstance(f, str) else f[2] for f in files) if counts else None
-                  for files in (train, test))
-    source = TFRecordSource(train, test, spec, (*size, channels), image_size is not None, num_classes or 1,
-                          compression, shuffle_buffer, cycle_length, sizes=sizes, counts=counts,
-                          rescale=parse_rescale(rescale, 1 / 255 if uint8 else 1.0), augment=parse_augment(augment),
-                          max_value=255.0 if uint8 else 1.0, info=info,
-                          standardize=parse_standardize(mean, std, channels),
-                          target_shape=target_shape if floats else None)
-    if skip_corrupt:
-        source.skip_corrupt()
-        source.info["skipped_corrupt"] += len(cut)
-        if cut and "corrupt_example" not in source.info:
-            source.info["corrupt_example"] = f"{cut[0][0]} record {cut[0][1]} (cut short)"
-    return source
+    return (*size, channels)
 
 
 def _path(part) -> str:

@@ -14,9 +14,10 @@ import numpy as np
 import tensorflow as tf
 
 from ._source import AUTOTUNE, check_batch_size, check_seed
+from .source import BaseSource
 
 
-class TokenSource:
+class TokenSource(BaseSource):
     """Next-token windows ``{"tokens", "targets"}`` (int32 ``[batch, L - 1]``) of token-id rows.
 
     Training batches are an endless sequence of epochs, each a permutation of the training rows drawn from
@@ -46,7 +47,7 @@ class TokenSource:
     def _example(self, rows, labels):
         return {"tokens": rows[:, :-1], "targets": rows[:, 1:]}
 
-    def train_batches(self, batch_size: int, seed: int = 0) -> tf.data.Dataset:
+    def train_batches(self, batch_size: int, seed: int = 0, shard=None) -> tf.data.Dataset:
         batch_size, seed = check_batch_size(batch_size), check_seed(seed)
         rows, labels = (tf.constant(a) if a is not None else None for a in self._train)
         n = self.train_size
