@@ -90,6 +90,8 @@ class MicroBatched:
         self.micro_batch = int(micro_batch)
         #: The sizes of the last batch's micro-batches.
         self.sizes: list[int] = []
+        #: The batch the trainer was built for (its micro-batches: ``sizes``).
+        self.batch_size: int | None = None
         self._sums: list | None = None  # one variable per trainable variable: the weighted sum of its gradients
         self._fns: dict = {}
         executor = getattr(trainer, "executor", None)
@@ -115,11 +117,23 @@ class MicroBatched:
             self._sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, name="gradient_sum")
                           for v in trainer.network.trainable_variables]
         trainer.build(first)
+        self.batch_size = _batch_size(batch)
+        self.sizes = micro_sizes(self.batch_size, min(self.micro_batch, self.batch_size))
         executor = getattr(trainer, "executor", None)
         if executor is not None and executor.apply_reason == REASON.format(count="several",
                                                                            micro_batch=self.micro_batch):
-            count = len(micro_sizes(_batch_size(batch), min(self.micro_batch, _batch_size(batch))))
-            executor.apply_reason = REASON.format(count=count, micro_batch=self.micro_batch)
+            executor.apply_reason = REASON.format(count=len(self.sizes), micro_batch=self.micro_batch)
+
+    def describe_micro_batches(self) -> str:
+        """What a step does, in words (after ``build``): the micro-batches, the sum, and what batch norm sees."""
+        sizes, batch = self.sizes, self.batch_size
+        cut = (f"{len(sizes)} of {sizes[0]}" if len(set(sizes)) == 1 else
+               f"{len(sizes)} of {sizes[-1]}-{sizes[0]}")
+        return (f"micro-batches: {cut} examples per batch of {batch} (micro_batch={self.micro_batch}): their "
+                f"gradients, each weighted by its share of the batch, are summed and applied once per batch; batch "
+                f"statistics are per micro-batch: batch norm normalizes each micro-batch by its own mean and "
+                f"variance and updates its moving averages {len(sizes)} times per step, so the update equals one "
+                f"step over {batch} examples (within rounding) only for a model without batch statistics")
 
     # ------------------------------------------------------------------ steps
     def train_step(self, batch: Mapping[str, tf.Tensor], replan: bool = True) -> StepReading:
@@ -171,8 +185,9 @@ class MicroBatched:
         return tf.constant(loss), unscale(grads, trainer.optimizer)
 
     def _parts(self, batch, sizes=None) -> list[dict]:
-        self.sizes = list(sizes) if sizes is not None else micro_sizes(_batch_size(batch), self.micro_batch)
-        return split(batch, self.sizes)
+        if sizes is None:  # the step's own cut (another, e.g. the exactness check's, is not kept)
+            sizes = self.sizes = micro_sizes(_batch_size(batch), self.micro_batch)
+        return split(batch, sizes)
 
     def _step(self, parts: list[dict]) -> StepReading:
         trainer = self.trainer
