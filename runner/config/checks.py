@@ -25,6 +25,7 @@ def check_config(cfg: DictConfig) -> None:
     check_sections(cfg.sections)
     _check_engine(cfg.engine)
     _check_train(cfg.train)
+    _check_micro_batch(cfg)
     for group in ("model", "data", "optimizer"):
         node = cfg[group]
         if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
@@ -51,6 +52,28 @@ def check_config(cfg: DictConfig) -> None:
         run_folder(cfg.resume)
     elif resume_data == "changed":
         raise ConfigError("resume_data", resume_data, "applies only with resume=<run folder>")
+
+
+def _check_micro_batch(cfg: DictConfig) -> None:
+    """`train.micro_batch`: null, max, or examples per micro-batch from 1 to the batch; not with batch=max (which
+    finds the batch whose step fits whole) nor with the update in the backward (the gradients are held for the sum)."""
+    value = cfg.train.get("micro_batch")
+    if value is None:
+        return
+    batch = cfg.batch if cfg.batch != "max" else None
+    allowed = (f"allowed: max (the largest micro-batch whose step fits the device), null (none), or examples per "
+               f"micro-batch from 1 to the batch" + (f" ({batch})" if batch is not None else ""))
+    if value != "max":
+        apply_rule("train.micro_batch", value, rules.check_micro_batch, value, batch,
+                   wording={"micro_batch_value": lambda batch: allowed,
+                            "micro_batch_over_batch": lambda batch: f"larger than batch={batch}; {allowed}"})
+    if cfg.batch == "max":
+        raise ConfigError("train.micro_batch", value, "cannot go with batch=max, which finds the largest batch whose "
+                          "step fits whole: give the batch to keep (batch=7500) and micro_batch cuts it to fit")
+    if cfg.engine.get("apply") == "in_backward":
+        raise ConfigError("engine.apply", "in_backward", f"cannot go with train.micro_batch={value}: the gradients "
+                          f"are held and summed over the micro-batches, then applied once; give engine.apply=auto "
+                          f"or at_end")
 
 
 def _check_optimizer(optimizer: DictConfig) -> None:

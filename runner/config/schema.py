@@ -68,6 +68,7 @@ class TrainConfig:
     steps: int
     eval_every: int
     eval_batch: Optional[int]
+    micro_batch: Any  # null, a positive int or max (checks.py)
     checkpoint_every: int
     keep_checkpoints: int
     log_every: int

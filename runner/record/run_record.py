@@ -77,6 +77,8 @@ class RunRecord:
                     else ""),
                  f"device: {device}" + _topology(self.setup) + f"; {_inter_op_threads()}",
                  _memory_line(self.setup.engine),
+                 *([self.setup.engine.describe_micro_batches()]  # train.micro_batch
+                   if hasattr(self.setup.engine, "describe_micro_batches") else []),
                  *([f"data: {self.setup.data.describe()}"] if hasattr(self.setup.data, "describe") else []),
                  table,
                  f"full config: {self.out / 'config.yaml'}"]

@@ -61,13 +61,20 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
     spec = getattr(data.train_batches(1 if searching else cfg.batch, cfg.train.seed), "element_spec", None)
     if not searching:
         _check_batch_fits(cfg, spec)  # the examples alone, before the network exists
+    micro = cfg.train.get("micro_batch") is not None  # train.micro_batch: activations at a micro-batch (micro.py)
     with _scope(strategy):
         network = make_network(cfg, data)
-        if not searching:
+        if not searching and not micro:
             _check_batch_fits(cfg, spec, network)  # with the blocks' outputs, before the first batch is made
         sections = resolve_sections(cfg)  # checked against the network by the engine (`sections_answer`)
     if searching:
         setup = _largest(cfg, data, network, sections, strategy)
+        setup.data_changes = data_changes
+        return setup
+    if micro:
+        from runner.run.micro import micro_batched
+
+        setup = micro_batched(cfg, data, network, sections, strategy)
         setup.data_changes = data_changes
         return setup
     engine, probe, batches = make_engine(cfg, data, network, sections, strategy, cfg.batch)
@@ -92,7 +99,7 @@ def _scope(strategy):
 
 
 def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, raw: bool = False,
-                optimizer=None):
+                optimizer=None, micro_batch: int | None = None):
     """The engine of `cfg.engine` with a fresh optimizer (or `optimizer`), built on the first training batch of
     `batch` examples; returns it, that batch and the training iterator it came from (None under a multi-worker
     shard), so the input pipeline's buffers are in memory while `sections=auto` measures. `raw`: the engine's own
@@ -112,6 +119,13 @@ def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, 
     except ValueError as err:
         raise sections_answer(err, sections, network) or ConfigError(
             "sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
+    if micro_batch is not None and micro_batch < batch:  # train.micro_batch: built and planned for a micro-batch
+        import sections as engine_lib
+
+        try:
+            engine = engine_lib.MicroBatched(engine, micro_batch)
+        except ValueError as err:
+            raise ConfigError("train.micro_batch", micro_batch, str(err).split(": ", 1)[-1]) from err
     try:
         engine.build(probe)
     except ValueError as err:

@@ -58,7 +58,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
         if exactness:
             record.exactness(exactness)
 
-        eval_batch = train.eval_batch or cfg.batch
+        eval_batch = train.eval_batch or getattr(engine, "micro_batch", None) or cfg.batch  # micro-batches: theirs
         progress = Progress(train.steps, start, train.progress, train.log_every)
         telemetry = Telemetry(record.board, cfg.batch)
         # Other workers of a multi-worker run would write into a scratch folder that is deleted: they save nothing.
@@ -194,7 +194,7 @@ def verify_exact(engine, batch, examples: int = 64) -> dict:
     verdict = "equals" if exact else "DIFFERS FROM"
     strategy = getattr(engine, "strategy", type(engine).__name__)
     allowed = report.get("tolerance", math.nan)
-    log.info(f"exactness: one {strategy} step {verdict} a whole-graph step on {examples} examples "
+    log.info(f"exactness: one {strategy} step {verdict} a whole-graph step on {examples} examples{_micro_note(report)} "
              f"(gradient relative error {report['gradient_rel_error']:.2g} over all variables, allowed "
              f"{allowed:.2g}: the whole step's own rounding sensitivity is "
              f"{report.get('sensitivity', math.nan):.2g}; "
@@ -203,7 +203,19 @@ def verify_exact(engine, batch, examples: int = 64) -> dict:
     return {"exact": exact, "exact_gradient_rel_error": report["gradient_rel_error"],
             "exact_tolerance": allowed, "exact_sensitivity": report.get("sensitivity", math.nan),
             "exact_state_max_abs_diff": report["state_max_abs_diff"],
-            "exact_worst_variable": report["worst_variable"]}
+            "exact_worst_variable": report["worst_variable"],
+            **({"exact_micro_batches": report["micro_batches"], "exact_one_step_rel_error":
+                report["one_step_rel_error"]} if "micro_batches" in report else {})}
+
+
+def _micro_note(report: dict) -> str:
+    """What the exactness check compared under train.micro_batch: both steps over the same micro-batches, and how
+    far one whole-graph step over all the examples is."""
+    if "micro_batches" not in report:
+        return ""
+    return (f", both cut into the same {report['micro_batches']} micro-batches, gradients summed by their shares "
+            f"(against one whole-graph step over all the examples: relative distance "
+            f"{report['one_step_rel_error']:.2g}, within rounding only without batch statistics)")
 
 
 def describe_setup(engine, batch: int) -> dict:
@@ -214,6 +226,8 @@ def describe_setup(engine, batch: int) -> dict:
     info = {
         "strategy": getattr(engine, "strategy", type(engine).__name__),
         "batch": batch,
+        **({"micro_batch": engine.micro_batch, "micro_batches": len(engine.sizes)}  # train.micro_batch
+           if hasattr(engine, "describe_micro_batches") else {}),
         **distribute.summary(strategy),
         "num_sections": len(engine.sections),
         "section_blocks": [len(s.block_names) for s in engine.sections],
