@@ -24,6 +24,7 @@ __all__ = ["SUPPORTED", "check_versions", "batch_norm_axes", "autocast_dtype", "
 #: and the exactness core on the lowest (``tests/test_keras_versions.py``, slow).
 SUPPORTED = {"keras": ("3.10", "3.16"), "tensorflow": ("2.16", "2.22")}
 _warned: set = set()
+_ABSENT = object()
 
 
 def _version(text: str) -> tuple:
@@ -98,11 +99,22 @@ def gemma_attention_class():
     return getattr(module, "CachedGemmaAttention", None)
 
 
-def replace_method(cls: type, name: str, method) -> None:
-    """``cls.name`` becomes ``method`` for every instance in the process: how lean gradients and lean attention
-    route Keras layers' ``call`` and ``_compute_attention`` (Keras has no hook around a layer's call; the wrapper
-    runs the original outside ``lean_scope`` and where the lean version declines)."""
+def replace_method(cls: type, name: str, method):
+    """``cls.name`` becomes ``method`` for every instance in the process, until the returned ``undo()`` puts back
+    what the class itself held (or removes the override, where the class inherited the method): how lean
+    gradients and lean attention route Keras layers' ``call`` and ``_compute_attention`` while a ``lean_scope`` is
+    open (Keras has no hook around a layer's call; the wrapper runs the original outside ``lean_scope`` and where
+    the lean version declines)."""
+    own = cls.__dict__.get(name, _ABSENT)
     setattr(cls, name, method)
+
+    def undo() -> None:
+        if own is _ABSENT:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, own)
+
+    return undo
 
 
 def attention_hooks() -> list[tuple[str, type, str]]:

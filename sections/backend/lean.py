@@ -34,6 +34,14 @@ Lean calls apply only inside ``lean_scope()`` (the engine enters it while tracin
 and only where one of these classes' own ``call`` runs: for a layer of the class, of a subclass that keeps that
 ``call``, or through a subclass's ``super().call``, unless the subclass overrides a method the class's call uses
 that the lean one does not (batch norm's ``_moments``). Outside it every layer runs its own ``call``.
+
+The classes are patched only while a lean scope is open: entering the process's first open (enabled) scope, on
+any thread, replaces their ``call`` (and the attention classes' ``_compute_attention``) with a router to the lean
+version, and leaving the last open one puts Keras's own methods back (a count under a lock). While they are
+patched, a thread outside every scope runs each layer's own ``call`` through the router; once no scope is open,
+Keras's classes are untouched, and a model trained without the engine runs no code of this project. A function
+traced inside the scope keeps what it traced; a retrace runs its Python again, inside the scope where the engine
+entered it in the traced body (``SectionFunctions._run``).
 """
 
 from __future__ import annotations
@@ -52,10 +60,13 @@ from . import attention
 from . import keras_internals as internals
 from .graph_gradient import custom_gradient
 
-__all__ = ["lean_scope", "lean_active", "LEAN_LAYERS", "gradient_traces"]
+__all__ = ["lean_scope", "lean_active", "patched", "LEAN_LAYERS", "gradient_traces"]
 
 _state = threading.local()
+# The patches in force: ``{class or attention key: undo}``, and how many enabled lean scopes are open on all threads.
 _installed: dict = {}
+_open = {"scopes": 0}
+_patching = threading.Lock()
 # Python-side count of lean gradients built (at trace time), per kind: tests read it to prove the lean path ran.
 _traces = {"batch_norm": 0, "recomputed": 0, "fused": 0, "activation": 0, "remade_input": 0}
 REMAKE_PRODUCERS = True  # False: a batch norm after a producer keeps its input too (benchmarks compare both)
@@ -105,15 +116,42 @@ def lean_scope(enabled: bool | str = True):
     """Inside it (on this thread), supported Keras layers run with lean gradients; ``enabled=False``: plain;
     ``"recompute"``: lean, and a convolution or dense layer whose input a batch norm (and a ReLU) made re-makes
     that input in its backward instead of keeping it."""
-    _install()
+    on = check_lean(enabled)
+    if on:
+        _acquire()
     before = getattr(_state, "on", False)
-    _state.on = check_lean(enabled)
+    _state.on = on
     try:
         yield
     finally:
         _state.on = before
         if not before:
             _recipes().clear()
+        if on:
+            _release()
+
+
+def patched() -> bool:
+    """Whether Keras's classes are patched now (some enabled ``lean_scope`` is open, on some thread)."""
+    return bool(_installed)
+
+
+def _acquire() -> None:
+    """One more open scope; the patches installed where missing (all at the first; Gemma's once keras-hub is
+    imported)."""
+    with _patching:
+        _open["scopes"] += 1
+        _install()
+
+
+def _release() -> None:
+    """One scope fewer; the last one puts every patched method back as Keras defined it."""
+    with _patching:
+        _open["scopes"] -= 1
+        if _open["scopes"] == 0:
+            for undo in reversed(list(_installed.values())):
+                undo()
+            _installed.clear()
 
 
 def _chain(t):
@@ -427,7 +465,7 @@ def _runs_lean(layer_type: type, cls: type) -> bool:
 
 def _install() -> None:
     """Route each supported class's ``call`` (and ``MultiHeadAttention._compute_attention``) through its lean
-    version when ``lean_scope`` is on (once)."""
+    version when ``lean_scope`` is on (each class once while scopes are open; ``_release`` undoes it)."""
     _install_attention()
     for cls, lean in LEAN_LAYERS.items():
         if cls in _installed:
@@ -442,8 +480,7 @@ def _install() -> None:
                     return out
             return __original(self, *args, **kwargs)
 
-        _installed[cls] = original
-        internals.replace_method(cls, "call", call)
+        _installed[cls] = internals.replace_method(cls, "call", call)
 
 
 def _install_attention() -> None:
@@ -468,5 +505,4 @@ def _wrap_method(key: str, cls: type, name: str, lean) -> None:
                 return out
         return __original(self, *args, **kwargs)
 
-    _installed[key] = original
-    internals.replace_method(cls, name, method)
+    _installed[key] = internals.replace_method(cls, name, method)
