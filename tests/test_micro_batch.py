@@ -77,7 +77,8 @@ def relative_update_distance(ours: np.ndarray, theirs: np.ndarray, start: np.nda
 
 TRAINERS = {
     "engine-2-sections": lambda net, opt: Engine(net, opt, sections=2),
-    "engine-3-sections-store": lambda net, opt: Engine(net, opt, sections=3, policy=["store", "recompute", "recompute"]),
+    "engine-3-sections-store": lambda net, opt: Engine(net, opt, sections=3,
+                                                       policy=["store", "recompute", "recompute"]),
     "whole": lambda net, opt: WholeGraph(net, opt, sections=2),
     "recompute_grad": lambda net, opt: RecomputeGrad(net, opt, sections=2),
 }

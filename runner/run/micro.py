@@ -75,7 +75,8 @@ def _largest_micro(cfg: DictConfig, data, network, sections, strategy):
         fits, peak, why = _one_step_fits(engine, probe, budget)
         return micro, fits, peak, why, (engine, probe, batches) if fits else None
 
-    kept, best, worst = None, None, None  # the fitting trial's engine; the fewest micro-batches that fit; most that do not
+    # the fitting trial's engine; the fewest micro-batches that fit; the most that do not
+    kept, best, worst = None, None, None
     count = 1
     while count is not None:
         micro, fits, peak, why, engine = attempt(count)
