@@ -1,12 +1,13 @@
 """A training step's readings as one typed record, and the names they are written under: the TensorBoard tags
 (the runner's event files and ``SectionedModel``'s TensorBoard callback) and the memory figures of ``metrics.json``.
-Named here once. Plain Python: no TensorFlow at load."""
+Named here once. Also what a caller reads of a trainer (``TrainerProtocol``: its step, its planning report), declared.
+Plain Python: no TensorFlow at load."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, fields
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 _MiB = 2.0**20
 
@@ -78,3 +79,83 @@ def memory_figures(readings: Sequence[Mapping]) -> dict:
                                    for col in zip(*(r["peak_bytes"] for r in readings))],
         "forward_runs_per_section": list(readings[-1]["forward_runs"]) if readings else [],
     }
+
+
+# ---------------------------------------------------------------------------------------------- what a caller reads
+@runtime_checkable
+class PlanReport(Protocol):
+    """The planner's plan as a caller reads it (``sections.Plan``): the budget it was made under, its predicted peak,
+    the margin kept, how many sections' activations were measured as one run, and the bytes a dry step measured
+    beside the model's prediction."""
+
+    budget: int
+    predicted_peak: int
+    margin: float
+    measured_sections: int
+    extra_bytes: int
+
+    def summary(self) -> str: ...
+
+
+@runtime_checkable
+class FloorReport(Protocol):
+    """The least memory any plan at a batch needs (``least``), the part not growing with the batch (``fixed``) and
+    the line a plan stays under (``line``), bytes (``Engine.memory_floor``)."""
+
+    least: int
+    fixed: int
+    line: int
+
+
+class ReplicasReport(Protocol):
+    """How a trainer runs under ``tf.distribute``: the replicas in sync and the strategy (None: one device)."""
+
+    count: int
+    strategy: Any
+
+
+class MeterReport(Protocol):
+    """Where a trainer measures memory: whether the allocator keeps statistics, and on which devices."""
+
+    available: bool
+    devices: list
+
+
+@runtime_checkable
+class TrainerProtocol(Protocol):
+    """What a caller (the runner) reads of a trainer: ``sections.Engine``, ``sections.WholeGraph`` and
+    ``sections.RecomputeGrad`` (and ``sections.MicroBatched`` around one) each satisfy it (``tests/test_protocols.py``). A member a baseline lacks the meaning
+    of is there with ``None``: ``plan``, ``memory_floor``, ``planning_seconds``, ``lean``, ``flops()``,
+    ``micro_batch``, ``describe_micro_batches()``; ``sections.MicroBatched`` answers for the trainer it wraps."""
+
+    strategy: str  # "sectioned", "whole", "recompute_grad"
+    network: Any  # sections.Network
+    optimizer: Any
+    replicas: ReplicasReport
+    meter: MeterReport
+    device_memory: Any  # sections.DeviceMemory: total, source, hard, describe()
+    memory_budget: int | None  # bytes (sections="auto"), else None
+    budget_source: str | None
+    memory_floor: FloorReport | None  # sections="auto", after build
+    plan: PlanReport | None  # sections="auto", after build
+    planning_seconds: float | None
+    memory_measured: bool
+    memory_note: str | None  # why memory is not measured (None: it is)
+    lean: bool | str | None  # None: a trainer without lean gradients
+    apply_reason: str | None  # why the update runs once after the whole backward (None: in the backward)
+    micro_batch: int | None  # sections.MicroBatched: the most examples a step runs at once (None: the whole batch)
+
+    @property
+    def sections(self) -> list: ...  # sections.Section each (empty before build)
+
+    def build(self, batch: Mapping) -> None: ...
+
+    def train_step(self, batch: Mapping, replan: bool = True) -> StepReading: ...
+
+    def evaluate(self, batch: Mapping) -> dict: ...
+
+    def describe(self) -> str: ...
+
+    def describe_micro_batches(self) -> str | None: ...  # what a micro-batched step does, in words (else None)
+
+    def flops(self) -> list | None: ...  # forward and backward FLOPs per section; None: not counted (baselines)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from models.data import BaseSource  # defaults for what this source has nothing to say about (fingerprint, size ...)
+
 ANGLES = (0.0, 0.785, 1.571, 2.356)  # four stripe directions: the four classes
 
 
-class Stripes:
+class Stripes(BaseSource):
     metric = "accuracy"              # what the network reports and the runner optimizes
     metric_direction = "maximize"
 
@@ -34,8 +36,8 @@ class Stripes:
         u = tf.cos(angle) * r[None, :] + tf.sin(angle) * r[:, None]
         return {"image": tf.sin(u + phase)[..., None], "label": label}
 
-    def train_batches(self, batch_size: int, seed: int = 0) -> tf.data.Dataset:
-        """Endless batches of exactly batch_size; example i drawn from (seed, i)."""
+    def train_batches(self, batch_size: int, seed: int = 0, shard=None) -> tf.data.Dataset:
+        """Endless batches of exactly batch_size; example i drawn from (seed, i) (every row made: shard ignored)."""
         ds = tf.data.Dataset.counter().map(lambda i: self._example(tf.stack([tf.constant(seed, tf.int64), i])))
         return ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 

@@ -20,6 +20,7 @@ from runner.config.resume import history_name, show
 from runner.errors import to_log_file
 from runner.platform.files import keep_copy, write_atomic
 from sections.rules import human_bytes
+from sections.telemetry import TrainerProtocol
 
 log = logging.getLogger("runner")
 
@@ -67,7 +68,7 @@ class RunRecord:
     def header(self, device: str, table: str, start_step: int) -> str:
         cfg = self.cfg
         lr = cfg.optimizer.get("learning_rate")
-        strategy = getattr(self.setup.engine, "strategy", type(self.setup.engine).__name__)
+        strategy = self.setup.engine.strategy
         lines = [f"run folder: {self.out}" + (f" (resumed at step {start_step})" if start_step else ""),
                  f"model {_short(cfg.model._target_)}, data {_short(cfg.data._target_)}, batch {cfg.batch}"
                  + (f" (batch=max: {search.describe()})" if (search := self.setup.batch_search) else "") + ", "
@@ -77,9 +78,8 @@ class RunRecord:
                     else ""),
                  f"device: {device}" + _topology(self.setup) + f"; {_inter_op_threads()}",
                  _memory_line(self.setup.engine),
-                 *([self.setup.engine.describe_micro_batches()]  # train.micro_batch
-                   if hasattr(self.setup.engine, "describe_micro_batches") else []),
-                 *([f"data: {self.setup.data.describe()}"] if hasattr(self.setup.data, "describe") else []),
+                 *([micro] if (micro := self.setup.engine.describe_micro_batches()) else []),  # train.micro_batch
+                 *([f"data: {described}"] if (described := self.setup.data.describe()) else []),
                  table,
                  f"full config: {self.out / 'config.yaml'}"]
         return "\n".join(lines)
@@ -125,7 +125,7 @@ class RunRecord:
         cfg = self.cfg
         choices = {"model": _short(cfg.model._target_), "data": _short(cfg.data._target_),
                    "optimizer": _short(cfg.optimizer._target_),
-                   "engine": getattr(self.setup.engine, "strategy", type(self.setup.engine).__name__)}
+                   "engine": self.setup.engine.strategy}
         return hparam_values(OmegaConf.to_container(cfg, resolve=True), choices, self.setup.sections)
 
     def _trial(self, sessions: list[dict]) -> str:
@@ -142,7 +142,7 @@ def _sessions(record: Path) -> list:
         return []
 
 
-def partition_table(engine, flops: list[dict] | None) -> str:
+def partition_table(engine: TrainerProtocol, flops: list[dict] | None) -> str:
     """The engine's partition table, with FLOPs per section when the engine can count them."""
     table = engine.describe()
     if flops and "flops" not in table.lower():  # the engine's own table may already list them
@@ -151,15 +151,15 @@ def partition_table(engine, flops: list[dict] | None) -> str:
     return table
 
 
-def section_flops(engine) -> list[dict] | None:
-    """`engine.flops()` (forward/backward FLOPs per section, TensorFlow's cost analysis), where it exists."""
-    if not hasattr(engine, "flops"):
-        return None
+def section_flops(engine: TrainerProtocol) -> list[dict] | None:
+    """`engine.flops()` (forward/backward FLOPs per section, TensorFlow's cost analysis), where the trainer counts
+    them (None: a baseline)."""
     tf_log = logging.getLogger("tensorflow")
     level = tf_log.level
     tf_log.setLevel(logging.ERROR)  # the cost analysis goes through TF1 APIs that log deprecation warnings
     try:
-        return [dict(f) for f in engine.flops()]
+        flops = engine.flops()
+        return None if flops is None else [dict(f) for f in flops]
     except Exception as err:  # cost analysis is best effort: a missing figure must not stop a run
         log.warning(f"FLOPs not available: {type(err).__name__}: {err}")
         return None
@@ -169,7 +169,7 @@ def section_flops(engine) -> list[dict] | None:
 
 def _topology(setup) -> str:
     """`, distribute: 2 replicas on CPU:0, CPU:1` under a strategy; nothing on one device."""
-    strategy = getattr(setup, "strategy", None)
+    strategy = setup.strategy
     if strategy is None:
         return ""
     from runner.platform import distribute
@@ -204,17 +204,17 @@ def _inter_op_threads() -> str:
     return f"inter-op threads: {n}" if n else "inter-op threads: TensorFlow's default (one per core)"
 
 
-def _memory_line(engine) -> str:
+def _memory_line(engine: TrainerProtocol) -> str:
     """Where memory is measured, or that it is not, and the CPU allocator setting in effect."""
     from sections.allocator import describe
 
-    meter = getattr(engine, "meter", None)
-    if meter is not None and meter.available:
+    meter = engine.meter
+    if meter.available:
         where = f"memory: measured on {', '.join(meter.devices)}"
-        device = getattr(engine, "device_memory", None)
+        device = engine.device_memory
         if device is not None:
             where += f"; device memory {device.describe()}"
-        if getattr(engine, "budget_source", None):
+        if engine.budget_source:
             where += f"; budget {human_bytes(engine.memory_budget)} ({engine.budget_source})"
     else:
         where = "memory: NOT MEASURED (the allocator keeps no statistics; set TF_CPU_ALLOCATOR_USE_BFC=true)"

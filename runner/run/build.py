@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError, apply_rule
-from runner.run.datafeed import resumed_data
+from runner.run.datafeed import conforming, resumed_data
 from runner.platform.precision import set_precision, wrap_optimizer
 from sections import rules
 
@@ -54,11 +54,11 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
     keras.utils.set_random_seed(cfg.train.seed)
     set_determinism(cfg.train.deterministic)
 
-    data = instantiate(cfg.data, "data")
+    data = conforming(instantiate(cfg.data, "data"), cfg.data._target_)
     data, data_changes = resumed_data(cfg, data, lambda **kwargs: _rebuild_data(cfg, **kwargs))
     searching = cfg.batch == "max"
     # lazy: nothing allocated
-    spec = getattr(data.train_batches(1 if searching else cfg.batch, cfg.train.seed), "element_spec", None)
+    spec = data.train_batches(1 if searching else cfg.batch, cfg.train.seed).element_spec
     if not searching:
         _check_batch_fits(cfg, spec)  # the examples alone, before the network exists
     micro = cfg.train.get("micro_batch") is not None  # train.micro_batch: activations at a micro-batch (micro.py)
@@ -153,7 +153,7 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
 
     replicas = strategy.num_replicas_in_sync if strategy is not None else 1
     budget, source = engine_lib.device_budget(cfg.engine.memory_budget)
-    cap = getattr(data, "train_size", None)
+    cap = data.train_size
     optimizer = new_optimizer(cfg, strategy)
 
     floors = []  # sections=auto: each trial's floor (Engine.memory_floor), which the search extrapolates
@@ -223,7 +223,7 @@ def make_network(cfg: DictConfig, data):
     """The model config's builder, given the data's `model_args`. A key the model config sets itself (keras_app's
     input_shape) wins; the builder sees the data's as `data_args`. `default_sections` is not a builder argument."""
     model_cfg = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "default_sections"])
-    data_args = dict(getattr(data, "model_args", {}) or {})
+    data_args = dict(data.model_args or {})
     own = {k: data_args.pop(k) for k in list(data_args) if model_cfg.get(k) is not None}
     return instantiate(model_cfg, "model", **data_args, **({"data_args": own} if own else {}))
 

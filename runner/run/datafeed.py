@@ -3,19 +3,23 @@
     batches = train_iterator(data, batch, seed, strategy)   # iter(data.train_batches(...)), sharded per worker
     batch = next_batch(batches)                             # a data failure (corrupt file ...) is a DataError
     for batch in checked(data.eval_batches(n)): ...
+    data = conforming(data, target)                         # a DataSource (models.data.source), else one line
     data, changes = resumed_data(cfg, data, rebuild)        # resume=: the data compared with the run's fingerprint
     write_record(out, data, resumed, changes)               # data.json and data_fingerprint.json
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runner.errors import ConfigError, RunnerError
+
+if TYPE_CHECKING:  # the contract's module loads TensorFlow's data sources: read only where they are built
+    from models.data import DataSource
 
 log = logging.getLogger("runner")
 _OP_NOISE = re.compile(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]|\s*\[\[\{\{node [^]]*\]\]")
@@ -28,13 +32,25 @@ class DataError(RunnerError):
     """The data could not be read (a corrupt file, an image of another size, a label out of range ...)."""
 
 
-def train_iterator(data, batch: int, seed: int, strategy=None):
-    """The training batches' iterator; under a multi-worker strategy only this worker's rows are loaded,
-    where the source takes a `shard` (the others read every row and use their own)."""
+def conforming(data, target: str):
+    """`data`, where it satisfies the data source contract (`models.data.DataSource`); else a one-line error
+    naming what it lacks."""
+    from models.data import DataSource, missing_members
+
+    if not isinstance(data, DataSource):
+        raise ConfigError("data._target_", target, f"built a {type(data).__name__}, which lacks "
+                          f"{', '.join(missing_members(data))} of the data source contract (docs/DATA.md; "
+                          f"models.data.BaseSource has defaults for the optional ones)")
+    return data
+
+
+def train_iterator(data: DataSource, batch: int, seed: int, strategy=None):
+    """The training batches' iterator; under a multi-worker strategy the source is given this worker's `shard`
+    (a streamed source loads only those rows; others load every row, and each worker trains on its own)."""
     shard = worker_shard(strategy)
-    if shard and "shard" in inspect.signature(data.train_batches).parameters:
+    if shard:
         index, count = shard
-        log.info(f"data: this worker loads rows {index * batch // count}..{(index + 1) * batch // count - 1} of "
+        log.info(f"data: this worker trains rows {index * batch // count}..{(index + 1) * batch // count - 1} of "
                  f"each batch of {batch}")
         return iter(data.train_batches(batch, seed, shard=shard))
     return iter(data.train_batches(batch, seed))
@@ -55,7 +71,7 @@ def worker_shard(strategy) -> tuple[int, int] | None:
     return min(int(i) for i in ids) // local, total // local
 
 
-def next_batch(iterator, data=None):
+def next_batch(iterator, data: DataSource | None = None):
     """`next(iterator)`, with a failure inside the input pipeline reported as one DataError line (naming the file or
     record, which `data` finds where TensorFlow's error does not say it)."""
     import tensorflow as tf
@@ -64,13 +80,13 @@ def next_batch(iterator, data=None):
         return next(iterator)
     except tf.errors.OpError as err:
         line = message(err)
-        if line.startswith(_READING) and hasattr(data, "find_unreadable"):
+        if line.startswith(_READING) and data is not None:
             log.info("data: reading the input failed without naming a file; looking for it")
             line = data.find_unreadable() or line
         raise DataError(line) from err
 
 
-def checked(dataset, data=None):
+def checked(dataset, data: DataSource | None = None):
     """Iterate `dataset`, reporting input-pipeline failures as DataError."""
     iterator = iter(dataset)
     while True:
@@ -91,22 +107,20 @@ def message(err) -> str:
     return f"{_READING}{_NAME.sub('', text)[:300]}"
 
 
-def record(data) -> dict:
+def record(data: DataSource) -> dict:
     """What the run records about its data (a source's `info`: class names, sizes, rescale ...); {} if none."""
-    info = getattr(data, "info", None)
-    return dict(info) if isinstance(info, dict) else {}
+    return dict(data.info or {})
 
 
 FINGERPRINT = "data_fingerprint.json"
 
 
-def fingerprint(data) -> dict | None:
+def fingerprint(data: DataSource) -> dict | None:
     """What the data is (files, classes, arrays, shards: `models.data._fingerprint`), where the source says."""
-    get = getattr(data, "fingerprint", None)
-    return get() if callable(get) else None
+    return data.fingerprint()
 
 
-def resumed_data(cfg, data, rebuild) -> tuple[object, list[str]]:
+def resumed_data(cfg, data: DataSource, rebuild) -> tuple[DataSource, list[str]]:
     """On `resume=`: `data` compared with the run's `data_fingerprint.json`; returns the data to train on and what
     changed. The data is numbered as the run numbered its classes (`rebuild(class_names=...)`, where the source
     takes them). A change is refused in one line naming it, unless `resume_data=changed`: then the run continues
@@ -139,13 +153,13 @@ def resumed_data(cfg, data, rebuild) -> tuple[object, list[str]]:
                           f"knowingly (class numbers kept as the run had them)")
     log.warning(f"resume: the data changed since that run: {said}; continuing on it (resume_data=changed)")
     if classes and classes != new.get("classes"):
-        numbers = getattr(data, "class_names", None) or []
+        numbers = record(data).get("class_names") or []
         log.warning(f"resume: class numbers kept as the run had them: "
                     + ", ".join(f"{i} {name}" for i, name in enumerate(numbers)))
     return data, changes
 
 
-def write_record(out: Path, data, resumed: bool = False, changes=()) -> None:
+def write_record(out: Path, data: DataSource, resumed: bool = False, changes=()) -> None:
     """`data.json` (the source's `info`) and `data_fingerprint.json`; on a resume that continues on changed data
     the run's previous ones are kept as `data.<n>.json` and `data_fingerprint.<n>.json`."""
     from runner.platform.files import keep_copy, write_atomic

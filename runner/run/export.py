@@ -28,8 +28,8 @@ class ModelFiles:
             raise ConfigError("train.save_model", mode, "allowed: true (model.keras and model.best.keras), final "
                               "(model.keras only), false")
         self.out, self.mode, self.model = Path(out), mode, None
-        self.metric = getattr(data, "metric", "loss")
-        self.maximize = getattr(data, "metric_direction", "minimize") == "maximize"
+        self.metric = data.metric
+        self.maximize = data.metric_direction == "maximize"
         if mode is False:
             return
         from sections import to_keras

@@ -20,6 +20,7 @@ from runner.run.oom import OomBreakdown
 from runner.run.progress import Progress
 from sections import telemetry
 from sections.rules import human_bytes
+from sections.telemetry import TrainerProtocol
 
 log = logging.getLogger("runner")
 
@@ -58,7 +59,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
         if exactness:
             record.exactness(exactness)
 
-        eval_batch = train.eval_batch or getattr(engine, "micro_batch", None) or cfg.batch  # micro-batches: theirs
+        eval_batch = train.eval_batch or engine.micro_batch or cfg.batch  # micro-batches: theirs
         progress = Progress(train.steps, start, train.progress, train.log_every)
         telemetry = Telemetry(record.board, cfg.batch)
         # Other workers of a multi-worker run would write into a scratch folder that is deleted: they save nothing.
@@ -160,9 +161,9 @@ def _loop(engine, batches, hooks: Hooks, start: int, steps: int, first=None, dat
     return step
 
 
-def what_would_fit(engine) -> str:
+def what_would_fit(engine: TrainerProtocol) -> str:
     """The advice an out-of-memory stop gives: the planner where it did not choose, else a smaller batch."""
-    if getattr(engine, "plan", None) is None:
+    if engine.plan is None:
         return ("would fit: sections=auto (plans the sections to the device's memory) or batch=max (the largest "
                 "batch whose plan fits)")
     return f"the planner's smallest plan did not fit at this batch: batch=max finds the largest that does"
@@ -172,11 +173,11 @@ def _saved(step: int) -> str:
     return f"nothing of step {step} was saved"
 
 
-def verify_exact(engine, batch, examples: int = 64) -> dict:
+def verify_exact(engine: TrainerProtocol, batch, examples: int = 64) -> dict:
     """Does one step of this engine equal one ordinary whole-graph step? (State is restored afterwards.)"""
     from sections import OutOfMemory, compare_with_whole
 
-    least = getattr(getattr(engine, "replicas", None), "count", 1)
+    least = engine.replicas.count
     while True:
         try:
             report = compare_with_whole(engine, batch, examples=examples)
@@ -192,7 +193,7 @@ def verify_exact(engine, batch, examples: int = 64) -> dict:
     errors = (report["gradient_rel_error"], report["state_max_abs_diff"])
     exact = bool(report["exact"]) and all(math.isfinite(e) for e in errors)  # NaN gradients equal nothing
     verdict = "equals" if exact else "DIFFERS FROM"
-    strategy = getattr(engine, "strategy", type(engine).__name__)
+    strategy = engine.strategy
     allowed = report.get("tolerance", math.nan)
     log.info(f"exactness: one {strategy} step {verdict} a whole-graph step on {examples} examples{_micro_note(report)} "
              f"(gradient relative error {report['gradient_rel_error']:.2g} over all variables, allowed "
@@ -218,39 +219,38 @@ def _micro_note(report: dict) -> str:
             f"{report['one_step_rel_error']:.2g}, within rounding only without batch statistics)")
 
 
-def describe_setup(engine, batch: int) -> dict:
+def describe_setup(engine: TrainerProtocol, batch: int) -> dict:
     """What was trained and how: for reports that compare runs."""
     from runner.platform import distribute
 
-    strategy = getattr(getattr(engine, "replicas", None), "strategy", None)
     info = {
-        "strategy": getattr(engine, "strategy", type(engine).__name__),
+        "strategy": engine.strategy,
         "batch": batch,
         **({"micro_batch": engine.micro_batch, "micro_batches": len(engine.sizes)}  # train.micro_batch
-           if hasattr(engine, "describe_micro_batches") else {}),
-        **distribute.summary(strategy),
+           if engine.micro_batch is not None else {}),
+        **distribute.summary(engine.replicas.strategy),
         "num_sections": len(engine.sections),
         "section_blocks": [len(s.block_names) for s in engine.sections],
         "policies": [s.policy for s in engine.sections],
         "num_blocks": len(engine.network.blocks),
-        "memory_measured": bool(getattr(engine, "memory_measured", False)),
-        "memory_note": getattr(engine, "memory_note", None),  # why not measured (None: measured)
-        "lean": getattr(engine, "lean", None),  # None: a trainer without lean gradients (whole, recompute_grad)
+        "memory_measured": bool(engine.memory_measured),
+        "memory_note": engine.memory_note,  # why not measured (None: measured)
+        "lean": engine.lean,  # None: a trainer without lean gradients (whole, recompute_grad)
         # where the optimizer applied the gradients: in the backward section by section, or once at the end (why)
-        "apply": "in_backward" if getattr(engine, "apply_reason", "") is None else "at_end",
-        "apply_reason": getattr(engine, "apply_reason", "a baseline trainer: one update after its whole step"),
+        "apply": "in_backward" if engine.apply_reason is None else "at_end",
+        "apply_reason": engine.apply_reason,
     }
-    device = getattr(engine, "device_memory", None)
+    device = engine.device_memory
     if device is not None:
         info.update(device_memory_bytes=device.total, device_memory_source=device.source,
                     device_memory_hard_limit=device.hard)
-    if getattr(engine, "budget_source", None):
+    if engine.budget_source:
         info["memory_budget_source"] = engine.budget_source
-    if getattr(engine, "plan", None) is not None:
+    if engine.plan is not None:
         info.update(memory_budget_bytes=engine.plan.budget, predicted_peak_bytes=engine.plan.predicted_peak,
                     planner_margin=engine.plan.margin, planner_measured_sections=engine.plan.measured_sections,
                     planner_extra_bytes=engine.plan.extra_bytes)
-        if getattr(engine, "planning_seconds", None) is not None:
+        if engine.planning_seconds is not None:
             info["planning_seconds"] = engine.planning_seconds
     return info
 
@@ -273,7 +273,7 @@ def summarize(history: list, results: dict, data, batch: int, step: int) -> dict
     timed = [seconds for _, seconds in history[1:]] or [seconds for _, seconds in history]
     median = statistics.median(timed) if timed else float("nan")
     last = history[-1][0] if history else {}
-    metric = getattr(data, "metric", None)
+    metric = data.metric
     metric = metric if metric in results and metric != "loss" else "eval_loss"
     metrics = {
         "step": step,

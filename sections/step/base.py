@@ -32,6 +32,16 @@ class Trainer:
     strategy = "?"
     #: The planner's plan (``sections="auto"``), else None.
     plan = None
+    #: ``sections="auto"``: the least memory any plan at this batch needs (``Floor``), else None.
+    memory_floor = None
+    #: Seconds ``sections="auto"`` spent planning, else None.
+    planning_seconds: float | None = None
+    #: Lean gradients (``Engine``'s ``lean``); None: a trainer without them (the baselines run Keras's own).
+    lean: bool | str | None = None
+    #: Why the update runs once after the whole backward (None: section by section in it).
+    apply_reason: str | None = "a baseline trainer: one update after its whole step"
+    #: The most examples a step runs at once (``MicroBatched``); None: the whole batch.
+    micro_batch: int | None = None
     #: The partition compiled: sections, their counters and batch fields (and the engine's section functions).
     compiled: Compiled | None = None
 
@@ -82,7 +92,7 @@ class Trainer:
         with self.replicas.scope():
             self.network.build(local)
             small, real = probe_slice(self.network, local, SPEC_BATCH)
-            with lean_scope(getattr(self, "lean", False)):  # lean attention: no n x n tensor in this eager run
+            with lean_scope(self.lean or False):  # lean attention: no n x n tensor in this eager run
                 outputs, inputs = output_specs(self.network, small, real)
             #: What the borders hold (specs at the real batch), read without running a step.
             self.borders = Borders(small, real, inputs, outputs, nbytes(local))
@@ -177,6 +187,14 @@ class Trainer:
         dynamic scale; its ``apply_gradients`` unscales), as Keras's ``train_step`` does."""
         loss = scale_for_replicas(loss)
         return self.optimizer.scale_loss(loss) if hasattr(self.optimizer, "scale_loss") else loss
+
+    def describe_micro_batches(self) -> str | None:
+        """What a micro-batched step does, in words (``MicroBatched``); None: one step over the whole batch."""
+        return None
+
+    def flops(self) -> list[dict] | None:
+        """Forward and backward FLOPs per section (``Engine``); None: not counted (the baselines)."""
+        return None
 
     def read_counters(self) -> list[int]:
         """Each section's forward runs since the last read, and the counters set back to zero."""
