@@ -23,9 +23,9 @@ def main(cfg: DictConfig) -> float:
 
 def run(cfg: DictConfig, out: Path) -> float:
     """Check `cfg`, build everything, train; `resume=<folder>` continues that run in its own folder."""
-    changes = {}
+    changes, continuing = {}, False
     if cfg.resume is not None:
-        cfg, changes, out = _resumed(cfg)
+        cfg, changes, out, continuing = _resumed(cfg)
     check_config(cfg)
     from runner.platform import distribute
 
@@ -35,10 +35,10 @@ def run(cfg: DictConfig, out: Path) -> float:
     from runner.platform.lock import holding
 
     with holding(out):
-        return _run(cfg, out, changes)
+        return _run(cfg, out, changes, continuing)
 
 
-def _run(cfg: DictConfig, out: Path, changes: dict) -> float:
+def _run(cfg: DictConfig, out: Path, changes: dict, continuing: bool = False) -> float:
     from runner.platform import distribute
     from runner.platform.quiet import load_tensorflow
 
@@ -56,7 +56,7 @@ def _run(cfg: DictConfig, out: Path, changes: dict) -> float:
 
     with keeping_dtype_policy():
         if distribute.is_chief(strategy):
-            return fit(cfg, build(cfg, strategy), out, changes)
+            return fit(cfg, build(cfg, strategy, out, continuing), out, changes)
         # Another worker of a multi-worker run: it takes part in every step, save included (collective reads),
         # but writes into a scratch folder it deletes; it resumes from the run's own checkpoints.
         with distribute.scratch_folder() as scratch:
@@ -68,11 +68,15 @@ def _run(cfg: DictConfig, out: Path, changes: dict) -> float:
 def _resumed(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
 
-    from runner.config.resume import resumed_config, run_folder
+    from runner.config.resume import resumed_config, run_folder, stopped_search
     from runner.errors import ConfigError
 
     hc = HydraConfig.get() if HydraConfig.initialized() else None
     if hc is not None and getattr(hc.mode, "name", None) == "MULTIRUN":
         raise ConfigError("resume", cfg.resume, "continues one run in its own folder; it cannot be swept (-m)")
     merged, changes = resumed_config(cfg, list(hc.overrides.task) if hc else [])
-    return merged, changes, run_folder(cfg.resume)
+    folder = run_folder(cfg.resume)
+    continuing = stopped_search(folder)
+    if continuing:  # a batch=max search stopped before any checkpoint: a new run in its folder, continuing it
+        merged.resume = None
+    return merged, changes, folder, continuing

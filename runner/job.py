@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
-import threading
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +15,8 @@ from omegaconf import DictConfig
 
 from runner.callbacks import JOB_STATUS
 from runner.errors import Interrupted, RunnerError, full_errors, report
+from runner.platform import stops
+from runner.platform.stops import Terminated  # noqa: F401  (its home before runner.platform.stops)
 
 log = logging.getLogger("runner")
 
@@ -43,7 +42,7 @@ def _guarded(job, cfg: DictConfig, out: Path, sweep: bool, status: dict) -> floa
             value = job(cfg, out)
     except (KeyboardInterrupt, Terminated) as signalled:  # before the training loop handles them (or a second one)
         name, code = ("SIGTERM", 143) if isinstance(signalled, Terminated) else ("Ctrl-C", 130)
-        err = Interrupted(f"{name}: stopped without saving; {_newest(out)}", exit_code=code)
+        err = Interrupted(f"{name}: {_kept(out)}", exit_code=code)
         report(err)
         _write(out, sweep, status | {"status": "interrupted", "error": str(err)})
         sys.exit(code)
@@ -102,30 +101,24 @@ def _give_up_on(handler: logging.FileHandler, default):
     return handle_error
 
 
-class Terminated(BaseException):
-    """SIGTERM (SLURM, `timeout`) outside the training loop; a BaseException, so no `except Exception` keeps it."""
-
-
-@contextmanager
 def _signals_before_the_loop(sweep: bool):
-    """SIGTERM raises Terminated (not a silent exit) until the training loop installs its own handlers."""
-    if sweep or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum, frame):
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    """SIGTERM raises Terminated (not a silent exit), Ctrl-C KeyboardInterrupt, also where they land in a finalizer
+    (`runner.platform.stops`), until the training loop installs its own handlers."""
+    return stops.catching(active=not sweep)
 
 
-def _newest(out: Path) -> str:
+def _kept(out: Path) -> str:
+    """What a run stopped before its training loop (or between its steps' hooks) keeps, and how to go on."""
     saved = sorted((out / "checkpoints").glob("ckpt-*.index"), key=lambda p: int(p.stem.split("-")[1]))
-    return f"resume={out} continues from {saved[-1].with_suffix('')}" if saved else "nothing was saved"
+    if saved:
+        return f"stopped without saving; resume={out} continues from {saved[-1].with_suffix('')}"
+    from runner.platform.journal import TRIALS, recorded_trials
+
+    n = len(recorded_trials(out))
+    if n:
+        return (f"stopped during the batch=max search; its {n} trial{'s' if n > 1 else ''} "
+                f"{'are' if n > 1 else 'is'} kept in {out / TRIALS}: resume={out} continues it")
+    return "stopped without saving; nothing was saved"
 
 
 def _failed_value() -> float:

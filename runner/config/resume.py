@@ -43,6 +43,8 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
         raise ConfigError("resume", cfg.resume, f"its config.yaml has no {', '.join(lacking)}; not a run folder "
                           f"written by this runner")
     merged = OmegaConf.create(OmegaConf.to_container(saved, resolve=True))
+    if stopped_search(folder):  # its search continues (a search that ended before the first checkpoint runs its last trial again)
+        merged.batch = "max"
     for key in ("engine", "train"):  # keys added to the runner since that run: today's defaults
         for name, value in cfg[key].items():
             if name not in merged.get(key, {}):
@@ -71,6 +73,8 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
         OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True, merge=False)
     merged.resume = str(cfg.resume)
     merged.resume_data = cfg.get("resume_data", "same")  # this resume's own choice, never an earlier one's
+    if merged.batch == "max" and base.batch != "max":  # batch=max repeated: the batch a search found is kept
+        merged.batch = _searched_batch(folder, base.batch)
 
     changes = differences(base, merged)
     refused = [k for k in changes if k.startswith(FIXED) and not k.startswith(FREE_IN_FIXED)]
@@ -140,9 +144,30 @@ def run_folder(value) -> Path:
     folder = Path(str(value)).expanduser()
     if not folder.is_dir():
         raise ConfigError("resume", value, "no such folder; give a run folder such as outputs/<date>/<time>")
-    if not (folder / "config.yaml").is_file() or not any((folder / "checkpoints").glob("ckpt-*.index")):
-        raise ConfigError("resume", value, "not a run folder with checkpoints (config.yaml, checkpoints/ckpt-*)")
+    if not (folder / "config.yaml").is_file() or not (_checkpointed(folder) or stopped_search(folder)):
+        raise ConfigError("resume", value, "not a run folder with checkpoints (config.yaml, checkpoints/ckpt-*) "
+                          "or a stopped batch=max search")
     return folder
+
+
+def _checkpointed(folder: Path) -> bool:
+    return any((Path(folder) / "checkpoints").glob("ckpt-*.index"))
+
+
+def stopped_search(folder: Path) -> bool:
+    """A `batch=max` run stopped before its first checkpoint (kill -9 in the search): its `config.yaml` (written
+    before the first trial) and the trials it recorded (`runner.platform.journal`); `resume=` continues it."""
+    from runner.platform.journal import TRIALS
+
+    folder = Path(folder)
+    if _checkpointed(folder) or not (folder / "config.yaml").is_file():
+        return False
+    if (folder / TRIALS).is_file():
+        return True
+    try:
+        return OmegaConf.load(folder / "config.yaml").get("batch") == "max"
+    except Exception:  # noqa: BLE001 - an unreadable config.yaml is refused by saved_config, naming why
+        return False
 
 
 def differences(before: DictConfig, after: DictConfig) -> dict:
@@ -182,6 +207,19 @@ def history_name(folder: Path) -> Path:
     while (folder / f"config.{n}.yaml").exists():
         n += 1
     return folder / f"config.{n}.yaml"
+
+
+def _searched_batch(folder: Path, batch):
+    """`batch=max` on resume of a run with checkpoints: the batch its own search found is kept (said once); a run
+    given its batch by hand is refused, naming it."""
+    from runner.platform.journal import recorded_trials
+
+    if recorded_trials(folder):
+        log.info(f"resume: batch=max: this run's search found batch {batch}, which its checkpoint holds; kept "
+                 f"(the override can be dropped)")
+        return batch
+    raise ConfigError("batch", "max", f"this run trains at batch {batch}, which its checkpoint holds (no batch=max "
+                      f"search made it); drop the override to resume, or start a new run for batch=max")
 
 
 def _changes_slots(key: str, before, after) -> bool:

@@ -12,6 +12,11 @@ trial's engine steps once more after the search (the later trials' failures can 
 keras.applications ResNet50 at batch 32 read 888 MiB in its trial and ran out of a 1 GiB device in its first
 training step after five failed trials); a batch that no longer fits counts as not fitting, and the search goes on
 below it.
+
+Each trial is logged as it begins ("trial N: batch B") and ends (its verdict and seconds), and appended to the run
+folder's `batch_max_trials.jsonl` as it ends (`runner.platform.journal`): `resume=` of a folder whose search was
+stopped continues from those trials (`earlier`), building again the engine of a batch that fitted there. A signal
+between trials stops the search (`runner.platform.stops.check`).
 """
 
 from __future__ import annotations
@@ -19,9 +24,13 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+from runner.platform import stops
+from runner.platform.journal import TRIALS, append_trial
 from sections.rules import human_bytes
 
 log = logging.getLogger("runner")
@@ -44,6 +53,44 @@ class Trial:
     why: str = ""
     floor: Any = None
     kept: Any = field(default=None, compare=False, repr=False)
+    plan: str = field(default="", compare=False)  # the plan its engine ran ("4 sections: recompute, ...")
+    seconds: float | None = field(default=None, compare=False)  # how long the trial took (None: not timed)
+
+
+@dataclass(frozen=True)
+class RecordedFloor:
+    """A floor read back from `batch_max_trials.jsonl` (the engine's `Floor`: `least`, `fixed`, `line` bytes)."""
+
+    least: int
+    fixed: int
+    line: int
+
+
+def trial_record(number: int, trial: Trial, replicas: int) -> dict:
+    """One line of `batch_max_trials.jsonl`."""
+    floor = trial.floor
+    return {"trial": number, "batch": trial.batch, "fits": trial.fits, "peak_bytes": trial.peak, "why": trial.why,
+            "plan": trial.plan, "seconds": trial.seconds, "replicas": replicas,
+            **({"floor_bytes": floor.least, "fixed_bytes": floor.fixed, "line_bytes": floor.line}
+               if floor is not None else {})}
+
+
+def recorded(records: list[dict], replicas: int) -> tuple[list[Trial], str]:
+    """The trials of a stopped search's records, and a line saying what the search does with them."""
+    if not records:
+        return [], "the stopped search recorded no trial; starting it again"
+    other = {r.get("replicas", replicas) for r in records} - {replicas}
+    if other:
+        return [], (f"the stopped search's trials were made with {', '.join(map(str, sorted(other)))} replica(s), "
+                    f"this run has {replicas}; starting it again")
+    trials = []
+    for r in records:
+        floor = (RecordedFloor(r["floor_bytes"], r.get("fixed_bytes") or 0, r["line_bytes"])
+                 if isinstance(r.get("floor_bytes"), int) and isinstance(r.get("line_bytes"), int) else None)
+        trials.append(Trial(r["batch"], r["fits"], r.get("peak_bytes"), r.get("why") or "", floor,
+                            plan=r.get("plan") or "", seconds=r.get("seconds")))
+    shown = ", ".join(f"{t.batch} {'fits' if t.fits else 'does not'}" for t in trials)
+    return trials, f"continuing the stopped search from its {len(trials)} recorded trial(s): {shown}"
 
 
 @dataclass
@@ -63,17 +110,23 @@ class Search:
 
     def best(self):
         fitting = self.fitting()
-        return max(fitting, key=lambda t: t.batch) if fitting else None
+        return max(reversed(fitting), key=lambda t: t.batch) if fitting else None  # the latest of equal batches
 
     def records(self) -> list:
-        """The trials for `metrics.json`: batch, fits, peak bytes, why; with `sections=auto`, the floor's bytes and
-        the line it was held against."""
+        """The trials for `metrics.json`: batch, fits, peak bytes, why, plan, seconds; with `sections=auto`, the
+        floor's bytes and the plan limit it was held against (`line_bytes`)."""
         out = []
         for t in self.trials:
             floor = self.floors.get(t.batch)
-            out.append({"batch": t.batch, "fits": t.fits, "peak_bytes": t.peak, "why": t.why,
+            out.append({"batch": t.batch, "fits": t.fits, "peak_bytes": t.peak, "why": t.why, "plan": t.plan,
+                        "seconds": t.seconds,
                         **({"floor_bytes": floor.least, "line_bytes": floor.line} if floor is not None else {})})
         return out
+
+    @property
+    def seconds(self) -> float:
+        """The search's time: its trials' seconds, those of a stopped session's included."""
+        return round(sum(t.seconds or 0.0 for t in self.trials), 3)
 
     def describe(self) -> str:
         parts = [f"{t.batch} {'fits' if t.fits else 'does not'}" + (f" ({human_bytes(t.peak)})" if t.peak else "")
@@ -149,49 +202,129 @@ def next_batch(search: Search) -> int | None:
     return middle if lo < middle < hi else None
 
 
-def largest_batch(try_batch, replicas: int, cap: int | None = None, budget: int | None = None, again=None):
+def announce(model: str, engine: str, budget: int, source: str, auto: bool, cap: int | None, replicas: int) -> None:
+    """The search's header: what is searched, on which device and budget, how, and the training set's cap."""
+    log.info(f"batch=max: searching the largest batch whose step fits: model {model}, engine {engine}; budget "
+             f"{human_bytes(budget)} ({source})")
+    how = ("each trial plans its batch (sections=auto: the plan's dry steps must stay under the plan limit, the "
+           "budget less the planner's margin; a trial's floor is the least memory any plan at its batch needs, and "
+           "the floors aim the next trial)" if auto else
+           "each trial builds the engine at its batch and runs two steps (state restored after), which must run "
+           "and stay within the budget")
+    log.info(f"batch=max: {how}; trials double from {START * replicas} until one does not fit, then halve the gap "
+             f"to within {TOLERANCE:.0%}, at most {MAX_TRIALS} trials")
+    if cap is not None:
+        log.info(f"batch=max: at most the training set's size, {cap} examples (a larger batch would repeat examples "
+                 f"within a step)")
+
+
+def plan_of(engine) -> str:
+    """A trial's plan in a few words: its sections and their policies."""
+    policies = [str(s.policy) for s in engine.sections]
+    return f"{len(policies)} section{'s' if len(policies) != 1 else ''}: {', '.join(policies)}"
+
+
+def start_search(folder: Path | None, cfg, said: str | None, keep: bool) -> None:
+    """Before the first trial: the run folder's `config.yaml` (with `batch: max`), so that a search killed before
+    any checkpoint is a folder `resume=` continues; and what a resumed search does with the trials recorded."""
+    if folder is None:
+        return
+    from omegaconf import OmegaConf
+
+    from runner.platform.files import write_atomic
+
+    write_atomic(Path(folder) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if said:
+        log.info(f"batch=max: resume: {said} ({Path(folder) / TRIALS})")
+    if not keep:  # a search started again: its trials start afresh
+        (Path(folder) / TRIALS).unlink(missing_ok=True)
+
+
+def _verdict(trial: Trial, guess: float | None) -> str:
+    floor = trial.floor
+    return ("fits" if trial.fits else "does not fit") + (f" ({trial.why})" if trial.why else "") \
+        + (f" in {trial.seconds:.1f} s" if trial.seconds is not None else "") \
+        + (f"; peak {human_bytes(trial.peak)}" if trial.peak else "") + (f"; plan {trial.plan}" if trial.plan else "") \
+        + (f"; floor {human_bytes(floor.least)}, plan limit {human_bytes(floor.line)}" if floor is not None else "") \
+        + (f"; the floors predict about {int(guess)}" if floor is not None and guess else "")
+
+
+def _run_trial(try_batch, batch: int, search: Search, folder: Path | None, note: str = "") -> Trial:
+    """One trial: said as it begins and ends, timed, added to the search and to the run folder's trial file."""
+    stops.check()
+    number = len(search.trials) + 1
+    log.info(f"batch=max: trial {number}: batch {batch}" + (f" ({note})" if note else ""))
+    began = time.perf_counter()
+    trial = try_batch(batch)
+    trial = replace(trial, seconds=round(time.perf_counter() - began, 3))
+    search.trials.append(replace(trial, kept=None))
+    if trial.floor is not None:
+        search.floors[batch] = trial.floor
+    if folder is not None:
+        append_trial(folder, trial_record(number, trial, search.replicas))
+    log.info(f"batch=max: trial {number}: batch {batch} {_verdict(trial, predicted(search))}")
+    return trial
+
+
+def largest_batch(try_batch, replicas: int, cap: int | None = None, budget: int | None = None, again=None,
+                  folder: Path | None = None, earlier: list[Trial] = ()):
     """Run trials `try_batch(b) -> Trial` until the search ends; returns the largest batch that fits (None when
     not even `replicas` examples do) with what its trial kept, and the `Search`.
     `again(best: Trial) -> Trial`: the best trial (with what it kept) checked once more after the others (None: not
     checked); where it no longer fits the search continues below it.
+    `folder`: each trial is appended to its `batch_max_trials.jsonl` as it ends. `earlier`: the trials a stopped
+    search recorded there, taken as run (the engine of the best of them is built again by one more trial).
     The best trial's engine is held while later trials run (they then measure with its optimizer slots in
     memory, erring small) and trains: its plan is the one its dry steps measured (a plan made again at that
     batch after other trials may differ: the notebook ResNet's ran out of memory in its first step)."""
     search = Search(replicas, cap, budget)
-    batch = round_to(min(START * replicas, cap or math.inf), replicas)
-    kept = None
+    for trial in earlier:
+        search.trials.append(trial)
+        if trial.floor is not None:
+            search.floors[trial.batch] = trial.floor
+    batch = next_batch(search) if search.trials else round_to(min(START * replicas, cap or math.inf), replicas)
+    kept, kept_batch = None, None
     while True:
         while batch is not None and len(search.trials) < MAX_TRIALS:
-            trial = try_batch(batch)
-            fits, why, floor, engine = trial.fits, trial.why, trial.floor, trial.kept
-            search.trials.append(replace(trial, kept=None))
-            if floor is not None:
-                search.floors[batch] = floor
-            guess = predicted(search)
-            log.info(f"batch=max: batch {batch} {'fits' if fits else 'does not fit'}"
-                     + (f" ({why})" if why else "")
-                     + (f"; its floor {human_bytes(floor.least)} against {human_bytes(floor.line)}, the floors "
-                        f"predict about {int(guess)}" if floor is not None and guess else ""))
-            if fits:
+            trial = _run_trial(try_batch, batch, search, folder)
+            if trial.fits:
                 kept = None  # the smaller batch's engine is freed before the larger one is kept
                 gc.collect()
-                kept = engine
-            del engine, trial
+                kept, kept_batch = trial.kept, batch
+            del trial
             gc.collect()
+            stops.check()  # a signal that landed in a finalizer as the trial's engine was freed
             batch = next_batch(search)
         best = search.best()
-        if again is None or best is None or kept is None or best is search.trials[-1]:
+        if best is None:
+            break
+        if best.batch != kept_batch:  # it fitted in a stopped session: its engine is built again
+            trial = _run_trial(try_batch, best.batch, search, folder, "recorded as fitting by the stopped search; "
+                               "its engine is built again")
+            if trial.fits:
+                kept, kept_batch = trial.kept, trial.batch
+            del trial
+            gc.collect()
+            stops.check()
+            batch = next_batch(search) if kept_batch != best.batch else None
+            continue
+        if again is None or kept is None or best is search.trials[-1]:
             break  # nothing to check, or the best is the last trial: nothing ran after it
+        began = time.perf_counter()
         checked = again(replace(best, kept=kept))
         if checked.fits:
             break
         why = f"{checked.why or 'it no longer fits'}, checked again after the later trials"
-        search.trials.append(Trial(best.batch, False, checked.peak, why))
-        log.warning(f"batch=max: batch {best.batch} does not fit any more ({why}); searching below it")
-        kept = None
+        failed = Trial(best.batch, False, checked.peak, why, seconds=round(time.perf_counter() - began, 3))
+        search.trials.append(failed)
+        if folder is not None:
+            append_trial(folder, trial_record(len(search.trials), failed, replicas))
+        log.info(f"batch=max: batch {best.batch} does not fit any more ({why}); searching below it")
+        kept, kept_batch = None, None
         gc.collect()
+        stops.check()
         batch = next_batch(search)
         if batch is None or len(search.trials) >= MAX_TRIALS:
             break
     best = search.best()
-    return (best.batch if best else None, kept), search
+    return (best.batch if best else None, kept if best is not None and best.batch == kept_batch else None), search

@@ -44,9 +44,10 @@ def set_determinism(on: bool) -> None:
         config.disable_op_determinism()
 
 
-def build(cfg: DictConfig, strategy=None) -> Setup:
+def build(cfg: DictConfig, strategy=None, folder=None, continuing: bool = False) -> Setup:
     """Under a strategy, the network and optimizer are made in its scope and the engine runs on its replicas.
-    `batch=max`: the largest batch that fits is searched for first, and `cfg.batch` becomes it."""
+    `batch=max`: the largest batch that fits is searched for first, and `cfg.batch` becomes it (`folder`: the run
+    folder, where its trials are recorded as they end; `continuing`: a stopped search's are read back from it)."""
     import keras
 
     keras.backend.clear_session()  # also resets the dtype policy: set this run's after it
@@ -68,7 +69,7 @@ def build(cfg: DictConfig, strategy=None) -> Setup:
             _check_batch_fits(cfg, spec, network)  # with the blocks' outputs, before the first batch is made
         sections = resolve_sections(cfg)  # checked against the network by the engine (`sections_answer`)
     if searching:
-        setup = _largest(cfg, data, network, sections, strategy)
+        setup = _largest(cfg, data, network, sections, strategy, folder, continuing)
         setup.data_changes = data_changes
         return setup
     if micro:
@@ -140,7 +141,7 @@ def new_optimizer(cfg: DictConfig, strategy):
         return wrap_optimizer(instantiate(cfg.optimizer, "optimizer"), cfg.train.precision)
 
 
-def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
+def _largest(cfg: DictConfig, data, network, sections, strategy, folder=None, continuing: bool = False) -> Setup:
     """`batch=max`: the largest batch whose step fits (runner/run/batch_max.py); `cfg.batch` becomes it.
 
     Every trial steps one optimizer (its state restored after each): an optimizer whose slots a compiled step
@@ -149,7 +150,9 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
     each trial's slots behind (ResNet50 on a 1 GiB device: about 100 MiB per trial, batch 16 no longer fitting
     after five trials where 32 had)."""
     import sections as engine_lib
-    from runner.run.batch_max import Trial, largest_batch
+    from runner.platform import stops
+    from runner.platform.journal import recorded_trials
+    from runner.run.batch_max import Trial, announce, largest_batch, plan_of, recorded, start_search
 
     replicas = strategy.num_replicas_in_sync if strategy is not None else 1
     budget, source = engine_lib.device_budget(cfg.engine.memory_budget)
@@ -174,9 +177,15 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
             return Trial(batch, False, err.in_use + (err.requested or 0), "out of memory while planning")
         if engine.plan is not None:  # sections=auto: its dry steps ran the plan under the budget
             floors.append(engine.memory_floor)
-            return Trial(batch, True, engine.plan.predicted_peak, floor=floors[-1], kept=(engine, probe, batches))
+    announce(_short_target(cfg.model._target_), "sections=auto" if cfg.sections == "auto" else
+             f"{_short_target(cfg.engine._target_)}, sections={sections}", budget, source, cfg.sections == "auto",
+             cap, replicas)
+    earlier, said = recorded(recorded_trials(folder), replicas) if folder is not None and continuing else ([], None)
+    start_search(folder, cfg, said, keep=bool(earlier))
+            return Trial(batch, True, engine.plan.predicted_peak, floor=floors[-1], kept=(engine, probe, batches),
+                         plan=plan_of(engine))
         fits, peak, why = _one_step_fits(engine, probe, budget)
-        return Trial(batch, fits, peak, why, kept=(engine, probe, batches) if fits else None)
+        return Trial(batch, fits, peak, why, kept=(engine, probe, batches) if fits else None, plan=plan_of(engine))
 
     def again(best: Trial) -> Trial:  # a fixed partition's steps, in the memory the later trials left
         engine, probe, _ = best.kept  # (sections=auto re-plans)
@@ -184,13 +193,15 @@ def _largest(cfg: DictConfig, data, network, sections, strategy) -> Setup:
             return Trial(best.batch, True)
         return Trial(best.batch, *_one_step_fits(engine, probe, budget))
 
-    (batch, kept), search = largest_batch(try_batch, replicas, cap, budget, again)
+    (batch, kept), search = largest_batch(try_batch, replicas, cap, budget, again, folder, earlier)
     if batch is None:
         raise ConfigError("batch", "max", f"not even {replicas} example(s) fit the device's budget "
                           f"{rules.human_bytes(budget)} ({source}): {search.describe()}")
     cfg.batch = batch
-    log.info(f"batch=max: {batch} (trials: {search.describe()}; budget {rules.human_bytes(budget)}, {source})")
+    log.info(f"batch=max: {batch} in {search.seconds:.1f} s (trials: {search.describe()}; budget "
+             f"{rules.human_bytes(budget)}, {source})")
     engine, probe, batches = kept if kept is not None else make_engine(cfg, data, network, sections, strategy, batch,
+        stops.check()  # planning is over: a signal whose first raise was lost stops here
                                                                        optimizer=optimizer)
     return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batches=batches,
                  batch_search=search)
@@ -215,6 +226,11 @@ def _one_step_fits(engine, probe, budget: int, steps: int = 2):
             v.assign(value)
     peak = None if None in peaks else max(peaks)
     if peak is not None and peak > budget:
+def _short_target(target: str) -> str:
+    name = str(target).rsplit(".", 1)[-1]
+    return name[len("build_"):] if name.startswith("build_") else name
+
+
         return False, peak, f"its step read {rules.human_bytes(peak)}, over the budget"
     return True, peak, ""
 

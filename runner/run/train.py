@@ -13,6 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from runner.errors import ConfigError, OutOfMemoryStop, RunnerError
+from runner.platform import stops
 from runner.run.build import Setup
 from runner.run.hooks import (Checkpointing, Evaluation, FiniteStop, Hooks, Profiler, ProgressHook, SignalStop,
                               Telemetry)
@@ -65,6 +66,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
         # Other workers of a multi-worker run would write into a scratch folder that is deleted: they save nothing.
         save_model = train.get("save_model", True) if distribute.is_chief(setup.strategy) else False
         model_files = ModelFiles(out, engine, data, setup.probe, save_model)
+        eval_batch = EvalBatch(eval_batch)  # halved where an evaluation runs out of device memory
         evaluation = Evaluation(lambda: evaluate(engine, data, eval_batch), train.eval_every, train.steps,
                                 record.board, progress, then=model_files.evaluated)
         profiler = Profiler(train.get("profile_steps"), out)
@@ -75,6 +77,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
                        telemetry, ProgressHook(progress, cfg.batch), evaluation,
                        Checkpointing(checkpoints, train.checkpoint_every, train.steps),
                        SignalStop(checkpoints, train.checkpoint_every, train.steps, out)])
+        stops.check()  # a signal whose first raise was lost (in a finalizer) stops before the loop's own handlers
         step = _loop(engine, batches, hooks, start, train.steps, first, data, oom_breakdown)
         if finishing:  # no step ran: the final evaluation, for the files that follow from it
             evaluation.results = evaluate(engine, data, eval_batch)
@@ -82,7 +85,8 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
         model_files.final(step)
         history, results = telemetry.history, evaluation.results
         metrics = {**describe_setup(engine, cfg.batch), **exactness,
-                   **({"batch_max_trials": setup.batch_search.records()} if setup.batch_search else {}),
+                   **({"batch_max_trials": setup.batch_search.records(),
+                       "batch_max_seconds": setup.batch_search.seconds} if setup.batch_search else {}),
                    **summarize(history, results, data, cfg.batch, step)}
         if datafeed.record(data):
             metrics["data"] = datafeed.record(data)
@@ -255,8 +259,43 @@ def describe_setup(engine: TrainerProtocol, batch: int) -> dict:
     return info
 
 
-def evaluate(engine, data, batch_size: int) -> dict:
-    """Example-weighted means of `engine.evaluate` over one pass of the eval split."""
+class EvalBatch:
+    """The evaluation's batch (`train.eval_batch`, else the training batch: with batch=max, the one found), halved
+    for the rest of the run where an evaluation at it runs out of the device's memory."""
+
+    def __init__(self, size: int):
+        self.size = int(size)
+
+    def __int__(self) -> int:
+        return self.size
+
+
+def evaluate(engine, data, batch_size) -> dict:
+    """Example-weighted means of `engine.evaluate` over one pass of the eval split. `batch_size` an `EvalBatch`:
+    an evaluation that runs out of device memory is made again at half its batch (it changes no state), down to
+    the replicas' count."""
+    import tensorflow as tf
+
+    from sections import OutOfMemory
+
+    if not isinstance(batch_size, EvalBatch):
+        return _evaluate(engine, data, int(batch_size))
+    least = engine.replicas.count or 1
+    while True:
+        try:
+            return _evaluate(engine, data, batch_size.size)
+        except (tf.errors.ResourceExhaustedError, OutOfMemory) as err:
+            why = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        if batch_size.size // 2 < least:
+            raise OutOfMemoryStop(f"evaluation: even {batch_size.size} example(s) run out of the device's memory "
+                                  f"({why})")
+        smaller = max(least, batch_size.size // 2 // least * least)
+        log.info(f"evaluation: batch {batch_size.size} ran out of the device's memory; evaluating at {smaller} "
+                 f"from now on (train.eval_batch sets it)")
+        batch_size.size = smaller
+
+
+def _evaluate(engine, data, batch_size: int) -> dict:
     from runner.run.datafeed import checked
 
     totals, count = {}, 0
