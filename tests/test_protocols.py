@@ -269,3 +269,32 @@ def test_every_trainer_satisfies_the_protocol(kind):
     assert len(trainer.sections) == 2 and isinstance(trainer.describe(), str)
     assert (trainer.flops() is None) == (kind in ("WholeGraph", "RecomputeGrad"))
     assert (trainer.lean is None) == (kind in ("WholeGraph", "RecomputeGrad"))
+
+
+def test_a_csv_of_image_paths_is_one_reader_of_about_fifty_lines(tmp_path):
+    """docs/DATA.md's example, as docs/examples/csv_images.py runs it: a reader and a factory, and the bundled
+    pipeline gives the batches, the fingerprint and the header line."""
+    import tensorflow as tf
+
+    from docs.examples import csv_images
+    from models.data import DataSource
+
+    example = (ROOT / "docs" / "examples" / "csv_images.py").read_text()
+    shown = (ROOT / "docs" / "DATA.md").read_text().split("class CSVReader:", 1)[1].split("```", 1)[0]
+    assert "class CSVReader:" + shown in example, "docs/DATA.md's reader differs from docs/examples/csv_images.py"
+    reader = _classes(ROOT / "docs" / "examples")["CSVReader"]
+    assert reader.end_lineno - reader.lineno + 1 <= 55
+    rows = []
+    for i in range(6):
+        tf.io.write_file(str(tmp_path / f"{i}.png"), tf.io.encode_png(np.full((5, 7, 3), 40 * i, np.uint8)))
+        rows.append(f"{i}.png,{i % 3}")
+    (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
+    source = csv_images.csv_images(str(tmp_path / "list.csv"), image_size=(4, 4), test_fraction=0.34)
+    assert isinstance(source, DataSource) and not _signature_mismatches(source, DataSource)
+    assert (source.train_size, source.test_size, source.model_args) == (4, 2, {"num_classes": 3,
+                                                                               "input_shape": (4, 4, 3)})
+    batch = next(iter(source.train_batches(3, 0)))
+    assert batch["image"].shape == (3, 4, 4, 3) and sorted(batch["label"].numpy()) != []
+    assert [int(y) for b in source.eval_batches(5) for y in b["label"]] == [0, 1]
+    assert set(source.fingerprint()["files"]["train"]) == {str(tmp_path / f"{i}.png") for i in range(2, 6)}
+    assert source.describe().startswith("csv_images: 4 train / 2 test, images [4, 4, 3], 3 classes")

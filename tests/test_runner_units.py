@@ -89,13 +89,16 @@ def test_differences_ignore_the_resume_key():
 
 
 def test_non_finite_gradient_error_is_not_exact(monkeypatch):
+    from types import SimpleNamespace
+
     import sections
 
     from runner.run.train import verify_exact
 
     report = {"exact": True, "gradient_rel_error": math.nan, "state_max_abs_diff": 0.0, "worst_variable": "w"}
     monkeypatch.setattr(sections, "compare_with_whole", lambda engine, batch, examples: report)
-    result = verify_exact(object(), {}, examples=4)
+    engine = SimpleNamespace(replicas=SimpleNamespace(count=1), strategy="sectioned")  # what verify_exact reads
+    result = verify_exact(engine, {}, examples=4)
     assert result["exact"] is False and math.isnan(result["exact_gradient_rel_error"])
 
 

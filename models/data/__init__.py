@@ -3,8 +3,9 @@
 The streamed image sources are one ``ImagePipeline`` composed of a reader and a decoder."""
 
 from ._fingerprint import compare as compare_fingerprints
+from ._fingerprint import file_signatures
 from ._source import ImageSource
-from ._stream import Decoder, ImagePipeline, Labels, Pixels, Reader
+from ._stream import Decoder, ImagePipeline, Labels, Pixels, Reader, shuffled_indices
 from .arrays import ArrayReader, arrays
 from .digits import digits
 from .image_folder import FileDecoder, FileReader, image_folder
@@ -20,4 +21,4 @@ from .tokens import LabelledTokenSource, TokenSource, tokens
 __all__ = ["digits", "mnist", "synthetic", "sequences", "text", "image_folder", "arrays", "tfrecord", "tfds", "tokens",
            "DataSource", "BaseSource", "missing_members", "ImageSource", "ImagePipeline", "Reader", "Decoder",
            "Labels", "Pixels", "FileReader", "FileDecoder", "ShardReader", "ExampleDecoder", "ArrayReader",
-           "compare_fingerprints", "SequenceSource", "TextSource", "TokenSource", "LabelledTokenSource"]
+           "compare_fingerprints", "file_signatures", "shuffled_indices", "SequenceSource", "TextSource", "TokenSource", "LabelledTokenSource"]
