@@ -158,6 +158,11 @@ def _largest(cfg: DictConfig, data, network, sections, strategy, folder=None, co
     budget, source = engine_lib.device_budget(cfg.engine.memory_budget)
     cap = data.train_size
     optimizer = new_optimizer(cfg, strategy)
+    announce(_short_target(cfg.model._target_), "sections=auto" if cfg.sections == "auto" else
+             f"{_short_target(cfg.engine._target_)}, sections={sections}", budget, source, cfg.sections == "auto",
+             cap, replicas)
+    earlier, said = recorded(recorded_trials(folder), replicas) if folder is not None and continuing else ([], None)
+    start_search(folder, cfg, said, keep=bool(earlier))
 
     floors = []  # sections=auto: each trial's floor (Engine.memory_floor), which the search extrapolates
 
@@ -175,13 +180,9 @@ def _largest(cfg: DictConfig, data, network, sections, strategy, folder=None, co
             return Trial(batch, False, smallest or None, "no plan fits", floor)
         except engine_lib.OutOfMemory as err:
             return Trial(batch, False, err.in_use + (err.requested or 0), "out of memory while planning")
+        stops.check()  # planning is over: a signal whose first raise was lost stops here
         if engine.plan is not None:  # sections=auto: its dry steps ran the plan under the budget
             floors.append(engine.memory_floor)
-    announce(_short_target(cfg.model._target_), "sections=auto" if cfg.sections == "auto" else
-             f"{_short_target(cfg.engine._target_)}, sections={sections}", budget, source, cfg.sections == "auto",
-             cap, replicas)
-    earlier, said = recorded(recorded_trials(folder), replicas) if folder is not None and continuing else ([], None)
-    start_search(folder, cfg, said, keep=bool(earlier))
             return Trial(batch, True, engine.plan.predicted_peak, floor=floors[-1], kept=(engine, probe, batches),
                          plan=plan_of(engine))
         fits, peak, why = _one_step_fits(engine, probe, budget)
@@ -201,10 +202,14 @@ def _largest(cfg: DictConfig, data, network, sections, strategy, folder=None, co
     log.info(f"batch=max: {batch} in {search.seconds:.1f} s (trials: {search.describe()}; budget "
              f"{rules.human_bytes(budget)}, {source})")
     engine, probe, batches = kept if kept is not None else make_engine(cfg, data, network, sections, strategy, batch,
-        stops.check()  # planning is over: a signal whose first raise was lost stops here
                                                                        optimizer=optimizer)
     return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batches=batches,
                  batch_search=search)
+
+
+def _short_target(target: str) -> str:
+    name = str(target).rsplit(".", 1)[-1]
+    return name[len("build_"):] if name.startswith("build_") else name
 
 
 def _one_step_fits(engine, probe, budget: int, steps: int = 2):
@@ -226,11 +231,6 @@ def _one_step_fits(engine, probe, budget: int, steps: int = 2):
             v.assign(value)
     peak = None if None in peaks else max(peaks)
     if peak is not None and peak > budget:
-def _short_target(target: str) -> str:
-    name = str(target).rsplit(".", 1)[-1]
-    return name[len("build_"):] if name.startswith("build_") else name
-
-
         return False, peak, f"its step read {rules.human_bytes(peak)}, over the budget"
     return True, peak, ""
 
