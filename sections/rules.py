@@ -85,34 +85,49 @@ def parse_bytes(value, key: str = "memory_budget") -> int:
     return int(number * _UNITS[unit])
 
 
-BUDGET_HELP = (f"{SIZE_HELP}, or a fraction of the device's memory: a number in (0, 1] such as 0.8, or a "
-               f"percentage such as 80%")
+BUDGET_HELP = ("a size with a unit (2GiB, 512MiB; B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), a fraction of the device's "
+               "memory written with a decimal point (0 < f <= 1: 0.8, 1.0), or a percentage of it (80%)")
 
 
-def parse_budget(value, key: str = "memory_budget") -> int | float:
-    """A memory budget: bytes (an int, or a size as ``parse_bytes`` reads it), or a fraction of the device's memory
-    (a float in (0, 1], or a string like ``"80%"``), returned as that float."""
-    if isinstance(value, float) and 0 < value <= 1:
-        return value
-    if isinstance(value, str) and value.strip().endswith("%"):
+def parse_budget(value, key: str = "memory_budget", bare_bytes: bool = True) -> int | float:
+    """A memory budget: bytes (a size with a unit, as ``parse_bytes`` reads it), or a fraction of the device's
+    memory (a float in (0, 1], or a string like ``"0.8"`` or ``"80%"``), returned as that float.
+
+    Nothing else: a float above 1 (``1.5``) or a number string without a unit or a decimal point (``"1"``) is
+    refused, never read as bytes. ``bare_bytes``: whether a Python int is bytes (the API's ``memory_budget=2**30``);
+    a config, where ``1`` and ``1.0`` differ only by a point, passes False and needs a unit."""
+    refused = ValueError(f"{key}={value!r}: must be {BUDGET_HELP}.")
+    if isinstance(value, bool):
+        raise refused
+    if isinstance(value, float):
+        if 0 < value <= 1:
+            return value
+        raise refused
+    if isinstance(value, int):
+        if bare_bytes and value >= 1:
+            return value
+        raise refused
+    if not isinstance(value, str):
+        raise refused
+    text = value.strip()
+    if text.endswith("%"):
         try:
-            percent = float(value.strip()[:-1])
+            percent = float(text[:-1])
         except ValueError:
             percent = math.nan
         if not 0 < percent <= 100:
             raise ValueError(f"{key}={value!r}: a percentage of the device's memory must be in (0%, 100%].")
         return percent / 100
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
-        if number is not None and 0 < number <= 1 and not value.strip().isdigit():
+    m = _SIZE.fullmatch(text)
+    if m and not m.group(2):  # a number without a unit: a fraction, written with a decimal point
+        number = float(m.group(1))
+        if "." in m.group(1) and 0 < number <= 1:
             return number
+        raise refused
     try:
-        return parse_bytes(value, key)
+        return parse_bytes(text, key)
     except ValueError:
-        raise ValueError(f"{key}={value!r}: must be {BUDGET_HELP}.") from None
+        raise refused from None
 
 
 def check_policy_names(policy, allowed: Sequence[str] = POLICIES) -> None:

@@ -116,7 +116,7 @@ BAD = [
     (["sections=auto", "engine.memory_budget=150%"], "engine.memory_budget=150%: a percentage of the device's memory must be in (0%, 100%]"),
     (["engine.policy=bad"], "engine.policy=bad: Unknown policy 'bad'; allowed: ['recompute', 'store', 'recreate']"),
     (["engine.policy=stor"], "(did you mean 'store'?)"),
-    (["engine.memory_budget=abc"], "engine.memory_budget=abc: must be bytes (an integer) or a size with a unit"),
+    (["engine.memory_budget=abc"], "engine.memory_budget=abc: must be a size with a unit (2GiB, 512MiB"),
     (["engine.lean=deep"], "engine.lean=deep: must be true, false or recompute"),
     (["engine._target_=bad"], "engine._target_=bad: allowed: sections.Engine, sections.WholeGraph, sections.RecomputeGrad"),
     (["train.progress=x"], "train.progress=x: allowed: auto, bar, log"),

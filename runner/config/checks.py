@@ -118,7 +118,8 @@ def _check_engine(engine: DictConfig) -> None:
     policy = list(engine.policy) if isinstance(engine.policy, ListConfig) else engine.policy
     apply_rule("engine.policy", policy, rules.check_policy_names, policy)
     if engine.memory_budget is not None:
-        apply_rule("engine.memory_budget", engine.memory_budget, rules.parse_budget, engine.memory_budget)
+        apply_rule("engine.memory_budget", engine.memory_budget, rules.parse_budget, engine.memory_budget,
+                   "memory_budget", False)  # a bare number is refused: 1 byte or the whole device?
     apply_rule("engine.lean", engine.lean, rules.check_lean, engine.lean)
     apply_rule("engine.apply", engine.apply, rules.check_apply, engine.apply)
 

@@ -36,12 +36,13 @@ def set_determinism(on: bool) -> None:
     so a job with ``train.deterministic=false`` after one with true must turn it off (it also keeps Keras from
     compiling with XLA)."""
     import tensorflow as tf
-    from tensorflow.python.framework import config  # disable_op_determinism has no public name
+
+    from sections.tf_compat import disable_op_determinism  # TensorFlow names only turning it on publicly
 
     if on:
         tf.config.experimental.enable_op_determinism()
     else:
-        config.disable_op_determinism()
+        disable_op_determinism()
 
 
 def build(cfg: DictConfig, strategy=None, folder=None, continuing: bool = False) -> Setup:
@@ -68,6 +69,7 @@ def build(cfg: DictConfig, strategy=None, folder=None, continuing: bool = False)
         if not searching and not micro:
             _check_batch_fits(cfg, spec, network)  # with the blocks' outputs, before the first batch is made
         sections = resolve_sections(cfg)  # checked against the network by the engine (`sections_answer`)
+    warn_budget_above_device(cfg.engine.memory_budget)
     if searching:
         setup = _largest(cfg, data, network, sections, strategy, folder, continuing)
         setup.data_changes = data_changes
@@ -81,6 +83,24 @@ def build(cfg: DictConfig, strategy=None, folder=None, continuing: bool = False)
     engine, probe, batches = make_engine(cfg, data, network, sections, strategy, cfg.batch)
     return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batches=batches,
                  data_changes=data_changes)
+
+
+def warn_budget_above_device(value, device: str | None = None) -> bool:
+    """A budget in bytes above the device's memory: the planner would plan to it and a step it allows can run out,
+    so say so once, at start (a fraction of the device never is). True where it warned."""
+    parsed = None if value is None else rules.parse_budget(value)
+    if not isinstance(parsed, int):
+        return False
+    import sections as engine_lib
+    import tensorflow as tf
+
+    memory = engine_lib.device_memory(device or ("GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"))
+    if memory.total is None or parsed <= memory.total:
+        return False
+    log.warning(f"engine.memory_budget={value} ({rules.human_bytes(parsed)}) is above the device's memory, "
+                f"{memory.describe()}: plans to it can run out of memory; give at most "
+                f"{rules.human_bytes(memory.total)}, or a fraction of the device (0.9)")
+    return True
 
 
 def _rebuild_data(cfg: DictConfig, **kwargs):
