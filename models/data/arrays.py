@@ -101,28 +101,8 @@ def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_p
                          "data.labels_path.")
     x, y = _open(path, labels_path, x_key, y_key, "path", "labels_path")
     info = {"path": os.path.abspath(str(path)), "x_key": x_key, "y_key": y_key}
-    if test_path is not None:
-        if test_fraction is not None:
-            raise ValueError(f"data.test_fraction={test_fraction!r}: give either data.test_path or "
-                             f"data.test_fraction, not both.")
-        x_test, y_test = _open(test_path, test_labels_path, x_key, y_key, "test_path", "test_labels_path")
-        if x_test.shape[1:] != x.shape[1:] or x_test.dtype != x.dtype:
-            raise ValueError(f"data.test_path={test_path!r}: its images are {x_test.shape[1:]} {x_test.dtype}, the "
-                             f"training images {x.shape[1:]} {x.dtype}; they must match.")
-        train_rows, test_rows = np.arange(len(x)), np.arange(len(x_test))
-        info["test_path"] = os.path.abspath(str(test_path))
-    else:
-        fraction = 0.2 if test_fraction is None else test_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-            raise ValueError(f"data.test_fraction={test_fraction!r}: must be a number in (0, 1).")
-        held = int(round(len(x) * fraction))
-        if not 0 < held < len(x):
-            raise ValueError(f"data.test_fraction={fraction}: holds out {held} of {len(x)} rows; need at least "
-                             f"one on each side (or give data.test_path).")
-        order = np.random.default_rng(split_seed).permutation(len(x))
-        train_rows, test_rows = np.sort(order[held:]), np.sort(order[:held])
-        x_test, y_test = x, y
-        info["test_fraction"] = float(fraction)
+    (x_test, y_test), (train_rows, test_rows) = _test_split(x, y, test_path, test_labels_path, test_fraction,
+                                                            split_seed, x_key, y_key, info)
     y_train, y_test = y[train_rows], y_test[test_rows]
     scale, top = value_scale(x if test_path is None else (x, x_test), rescale)
     shape = tuple(x.shape[1:]) if x.ndim == 4 else (*x.shape[1:], 1)
@@ -131,6 +111,32 @@ def arrays(path: str | None = None, x_key: str = "x", y_key: str = "y", labels_p
     reader = ArrayReader(x, train_rows, y_train, x_test, test_rows, y_test,
                          (info["path"], info.get("test_path") or info["path"]))
     return ImagePipeline("arrays", reader, RowDecoder(x, x_test, shape), pixels, labels, info)
+
+
+def _test_split(x, y, test_path, test_labels_path, test_fraction, split_seed: int, x_key: str, y_key: str,
+                info: dict):
+    """The test arrays and the rows of each split: ``test_path``'s arrays (images of the training images' shape
+    and dtype), else ``test_fraction`` of the training rows (drawn with ``split_seed``); recorded in ``info``."""
+    if test_path is not None:
+        if test_fraction is not None:
+            raise ValueError(f"data.test_fraction={test_fraction!r}: give either data.test_path or "
+                             f"data.test_fraction, not both.")
+        x_test, y_test = _open(test_path, test_labels_path, x_key, y_key, "test_path", "test_labels_path")
+        if x_test.shape[1:] != x.shape[1:] or x_test.dtype != x.dtype:
+            raise ValueError(f"data.test_path={test_path!r}: its images are {x_test.shape[1:]} {x_test.dtype}, the "
+                             f"training images {x.shape[1:]} {x.dtype}; they must match.")
+        info["test_path"] = os.path.abspath(str(test_path))
+        return (x_test, y_test), (np.arange(len(x)), np.arange(len(x_test)))
+    fraction = 0.2 if test_fraction is None else test_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise ValueError(f"data.test_fraction={test_fraction!r}: must be a number in (0, 1).")
+    held = int(round(len(x) * fraction))
+    if not 0 < held < len(x):
+        raise ValueError(f"data.test_fraction={fraction}: holds out {held} of {len(x)} rows; need at least "
+                         f"one on each side (or give data.test_path).")
+    order = np.random.default_rng(split_seed).permutation(len(x))
+    info["test_fraction"] = float(fraction)
+    return (x, y), (np.sort(order[held:]), np.sort(order[:held]))
 
 
 def _labels(y_train, y_test, num_classes, test_path, key: str) -> Labels:

@@ -267,6 +267,27 @@ def image_folder(path: str | None = None, test_path: str | None = None, validati
     path = os.path.abspath(os.path.expanduser(str(path)))
     listing = list_classes(path, "path")
     classes = number_classes(listing.classes, class_names, path)
+    (train, test), info, notes = _splits(path, listing, classes, test_path, validation_split, split_seed)
+    channels = COLOR_MODES[color_mode]
+    if skip_corrupt:
+        train, test = _without_corrupt(train, test, channels, info, path)
+    info.update({key: len(items) for key, items in (("unreadable", listing.unreadable),
+                                                    ("duplicates", listing.duplicates),
+                                                    ("link_loops", listing.loops)) if items})
+    if notes:
+        info["notes"] = notes
+    shape = (*(check_image_size(image_size) or _first_size(train[0][0], channels)), channels)
+    pixels = Pixels(shape, parse_rescale(rescale, 1 / 255), tuple(parse_augment(augment)),
+                    standardize=parse_standardize(mean, std, channels))
+    reader = FileReader(train, test, roots=(path, info.get("test_path") or path))
+    return ImagePipeline("image_folder", reader, FileDecoder(shape, image_size is not None), pixels,
+                         Labels.of(len(classes)), info, identity={"classes": {n: i for i, n in enumerate(classes)}},
+                         class_names=classes)
+
+
+def _splits(path: str, listing: Listing, classes: list[str], test_path, validation_split, split_seed: int):
+    """The training and test files with their class numbers: ``test_path``'s folder (its classes must be training
+    classes), else ``validation_split`` of ``path``'s files; what the run records of them, and the header's notes."""
     index = {name: i for i, name in enumerate(classes)}
     train = _labelled(listing, index)
     info = {"path": path, "class_names": classes}
@@ -281,37 +302,27 @@ def image_folder(path: str | None = None, test_path: str | None = None, validati
         if unknown:
             raise ValueError(f"data.test_path={test_path!r}: class folder(s) {', '.join(unknown)} are not training "
                              f"classes (training: {', '.join(classes)}).")
-        test = _labelled(test_listing, index)
         notes += [f"test_path: {note}" for note in test_listing.notes()]
         info["test_path"] = test_path
-    else:
-        fraction = 0.2 if validation_split is None else validation_split
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-            raise ValueError(f"data.validation_split={validation_split!r}: must be a number in (0, 1).")
-        train, test = _split(train, fraction, split_seed, path)
-        info["validation_split"] = float(fraction)
-    channels = COLOR_MODES[color_mode]
-    if skip_corrupt:
-        (train, bad_train), (test, bad_test) = _decodable(train, channels), _decodable(test, channels)
-        info["skipped_corrupt"] = len(bad_train) + len(bad_test)
-        if bad_train or bad_test:
-            info["corrupt_example"] = (bad_train or bad_test)[0]
-        if not len(train[0]) or not len(test[0]):
-            raise ValueError(f"data.path={path!r}: no readable image left in the "
-                             f"{'training' if not len(train[0]) else 'test'} split after skipping corrupt files.")
-    for key, items in (("unreadable", listing.unreadable), ("duplicates", listing.duplicates),
-                       ("link_loops", listing.loops)):
-        if items:
-            info[key] = len(items)
-    if notes:
-        info["notes"] = notes
-    shape = (*(check_image_size(image_size) or _first_size(train[0][0], channels)), channels)
-    pixels = Pixels(shape, parse_rescale(rescale, 1 / 255), tuple(parse_augment(augment)),
-                    standardize=parse_standardize(mean, std, channels))
-    reader = FileReader(train, test, roots=(path, info.get("test_path") or path))
-    return ImagePipeline("image_folder", reader, FileDecoder(shape, image_size is not None), pixels,
-                         Labels.of(len(classes)), info, identity={"classes": {n: i for i, n in enumerate(classes)}},
-                         class_names=classes)
+        return (train, _labelled(test_listing, index)), info, notes
+    fraction = 0.2 if validation_split is None else validation_split
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise ValueError(f"data.validation_split={validation_split!r}: must be a number in (0, 1).")
+    info["validation_split"] = float(fraction)
+    return _split(train, fraction, split_seed, path), info, notes
+
+
+def _without_corrupt(train, test, channels: int, info: dict, path: str):
+    """``data.skip_corrupt``: the files that decode (every file read and decoded once), the rest counted in
+    ``info``; a split left empty is refused."""
+    (train, bad_train), (test, bad_test) = _decodable(train, channels), _decodable(test, channels)
+    info["skipped_corrupt"] = len(bad_train) + len(bad_test)
+    if bad_train or bad_test:
+        info["corrupt_example"] = (bad_train or bad_test)[0]
+    if not len(train[0]) or not len(test[0]):
+        raise ValueError(f"data.path={path!r}: no readable image left in the "
+                         f"{'training' if not len(train[0]) else 'test'} split after skipping corrupt files.")
+    return train, test
 
 
 def number_classes(found: list[str], given, path: str) -> list[str]:

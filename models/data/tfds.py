@@ -1,8 +1,8 @@
 """A TensorFlow Datasets image-classification data set, by name, from its prepared TFRecord shards.
 
 The split (TFDS syntax: ``train``, ``train[:90%]``, ``train[10%:]+test``) becomes shards and record ranges that
-``TFRecordSource`` streams (stateless shuffles, exact resume); each record is decoded by the data set's own
-feature spec. ``download=true`` prepares a missing data set where the network allows.
+``tfrecord``'s ``ShardReader`` streams (stateless shuffles, exact resume); each record is decoded by the data set's
+own features (``FeatureDecoder``). ``download=true`` prepares a missing data set where the network allows.
 """
 
 from __future__ import annotations
@@ -65,6 +65,32 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
         raise ValueError(f"data.name={name!r}: give a TensorFlow Datasets name such as mnist, cifar10 or "
                          f"imagenette/320px (https://www.tensorflow.org/datasets/catalog).")
     builder = _builder(tfds_lib, name, data_dir)
+    info = _prepared_info(builder, name, download)
+    image_key, label_key, image_feature = _keys(info, image_key, label_key, name, tfds_lib)
+    labels, class_names = _labels(tfds_lib, info.features[label_key], label_key, num_classes, name)
+    check_counts(shuffle_buffer=shuffle_buffer, cycle_length=cycle_length)
+    train, test, cut = _whole_records(_split(info, train_split, "train_split", name),
+                                      _split(info, test_split, "test_split", name), name, skip_corrupt)
+    shape = (*_image_size(image_size, image_feature, info.features, image_key, train[0]), image_feature.shape[2])
+    uint8 = tf.as_dtype(image_feature.tf_dtype) == tf.uint8
+    pixels = Pixels(shape, parse_rescale(rescale, 1 / 255 if uint8 else 1.0), tuple(parse_augment(augment)),
+                    255.0 if uint8 else 1.0, parse_standardize(mean, std, shape[2]))
+    reader = ShardReader(train, test, None, shuffle_buffer, cycle_length,
+                         sizes=[sum(t for _, _, t in parts) for parts in (train, test)])
+    decoder = FeatureDecoder(info.features, {"image_key": image_key, "label_key": label_key}, shape,
+                             image_size is not None, labels, name)
+    record = {"tfds_name": name, "data_dir": _where(builder), "version": str(builder.version),
+              "train_split": train_split, "test_split": test_split, "image_key": image_key, "label_key": label_key,
+              **({"class_names": class_names} if class_names is not None else {}),
+              **(skipped_records(reader, decoder, cut) if skip_corrupt else {})}
+    identity = {"tfds": f"{name} {builder.version}", "splits": {train_split: reader.train_size,
+                                                                 test_split: reader.test_size},
+                **({"classes": {c: i for i, c in enumerate(class_names)}} if class_names else {})}
+    return ImagePipeline("tfds", reader, decoder, pixels, labels, record, identity, class_names)
+
+
+def _prepared_info(builder, name: str, download: bool):
+    """The data set's info, prepared first where ``download`` (else a one-line refusal); TFRecord files only."""
     if not _prepared(builder):
         if not download:
             raise FileNotFoundError(f"data.name={name!r} is not prepared in {_where(builder)}: set "
@@ -76,58 +102,48 @@ def tfds(name: str | None = None, data_dir: str | None = None, train_split: str 
     if str(info.file_format).split(".")[-1].lower() != "tfrecord":
         raise ValueError(f"data.name={name!r}: prepared as {info.file_format}; only TFRecord data sets are read "
                          f"(prepare it with file_format=tfrecord).")
+    return info
+
+
+def _keys(info, image_key, label_key, name: str, tfds_lib):
+    """The image and label features' keys (given, else the supervised keys, else image/label) and the image
+    feature, checked to be an image ``[height, width, channels]``."""
     keys = tuple(info.supervised_keys or ()) if not isinstance(info.supervised_keys, dict) else ()
     image_key = image_key or (keys[0] if len(keys) == 2 and isinstance(keys[0], str) else "image")
     label_key = label_key or (keys[1] if len(keys) == 2 and isinstance(keys[1], str) else "label")
-    features = info.features
-    image_feature = _feature(features, image_key, "image_key", name)
-    label_feature = _feature(features, label_key, "label_key", name)
-    shape = tuple(image_feature.shape)
-    if not isinstance(image_feature, tfds_lib.features.Image) or len(shape) != 3:
+    image_feature = _feature(info.features, image_key, "image_key", name)
+    _feature(info.features, label_key, "label_key", name)
+    if not isinstance(image_feature, tfds_lib.features.Image) or len(tuple(image_feature.shape)) != 3:
         raise ValueError(f"data.image_key={image_key!r}: in {name!r} it is {image_feature!r}, not an image "
                          f"[height, width, channels].")
-    class_names, labels = None, None
-    label_dtype = tf.as_dtype(label_feature.tf_dtype)
-    if isinstance(label_feature, tfds_lib.features.ClassLabel):
-        class_names = list(label_feature.names)
-        labels = Labels.of(label_feature.num_classes)
-    elif label_dtype.is_floating and all(isinstance(d, int) for d in label_feature.shape):
-        labels = Labels.of(target_shape=tuple(label_feature.shape))  # float targets: the model regresses them
-    elif not (label_feature.shape == () and label_dtype.is_integer):
-        raise ValueError(f"data.label_key={label_key!r}: in {name!r} it is {label_feature!r}; expected class "
+    return image_key, label_key, image_feature
+
+
+def _labels(tfds_lib, feature, label_key: str, num_classes, name: str) -> tuple[Labels, list | None]:
+    """A ``ClassLabel``'s classes and names, float targets of a fixed shape, or a plain integer's ``num_classes``."""
+    dtype = tf.as_dtype(feature.tf_dtype)
+    if isinstance(feature, tfds_lib.features.ClassLabel):
+        return Labels.of(feature.num_classes), list(feature.names)
+    if dtype.is_floating and all(isinstance(d, int) for d in feature.shape):
+        return Labels.of(target_shape=tuple(feature.shape)), None  # float targets: the model regresses them
+    if not (feature.shape == () and dtype.is_integer):
+        raise ValueError(f"data.label_key={label_key!r}: in {name!r} it is {feature!r}; expected class "
                          f"numbers (a ClassLabel or an integer scalar) or float targets of a fixed shape.")
-    else:
-        labels = Labels.of(num_classes, hint=f"{name!r}'s label {label_key!r} is a plain integer; give the number of "
-                                             f"classes (an integer >= 1)")
-    check_counts(shuffle_buffer=shuffle_buffer, cycle_length=cycle_length)
-    train, n_train = _split(info, train_split, "train_split", name)
-    test, n_test = _split(info, test_split, "test_split", name)
-    train, test, cut = _whole_records(train, test, name, skip_corrupt)
-    n_train, n_test = (sum(t for _, _, t in parts) for parts in (train, test))
+    return Labels.of(num_classes, hint=f"{name!r}'s label {label_key!r} is a plain integer; give the number of "
+                                       f"classes (an integer >= 1)"), None
+
+
+def _image_size(image_size, image_feature, features, image_key: str, first_part) -> list[int]:
+    """``image_size``, else the data set's fixed size, else the first image's (the others must match it)."""
     size = check_image_size(image_size)
+    shape = tuple(image_feature.shape)
     if size is None and shape[0] is not None and shape[1] is not None:
         size = list(shape[:2])
     elif size is None:  # images of any size: the first one's, others must match
-        first = next(iter(tf.data.TFRecordDataset(train[0][0]).skip(train[0][1]).take(1)))
+        first = next(iter(tf.data.TFRecordDataset(first_part[0]).skip(first_part[1]).take(1)))
         image = features.deserialize_example(first)[image_key]
         size = [int(image.shape[0]), int(image.shape[1])]
-    uint8 = tf.as_dtype(image_feature.tf_dtype) == tf.uint8
-    shape = (*size, shape[2])
-    pixels = Pixels(shape, parse_rescale(rescale, 1 / 255 if uint8 else 1.0), tuple(parse_augment(augment)),
-                    255.0 if uint8 else 1.0, parse_standardize(mean, std, shape[2]))
-    reader = ShardReader(train, test, None, shuffle_buffer, cycle_length, sizes=(n_train, n_test))
-    decoder = FeatureDecoder(features, {"image_key": image_key, "label_key": label_key}, shape, image_size is not None,
-                             labels, name)
-    record = {"tfds_name": name, "data_dir": _where(builder), "version": str(builder.version),
-              "train_split": train_split, "test_split": test_split, "image_key": image_key, "label_key": label_key}
-    if class_names is not None:
-        record["class_names"] = class_names
-    if skip_corrupt:
-        record.update(skipped_records(reader, decoder, cut))
-    identity = {"tfds": f"{name} {builder.version}", "splits": {train_split: reader.train_size,
-                                                                 test_split: reader.test_size},
-                **({"classes": {c: i for i, c in enumerate(class_names)}} if class_names else {})}
-    return ImagePipeline("tfds", reader, decoder, pixels, labels, record, identity, class_names)
+    return size
 
 
 def _whole_records(train, test, name: str, skip_corrupt: bool):
@@ -254,7 +270,7 @@ def _feature(features, key: str, role: str, name: str):
 
 
 def _split(info, split: str, role: str, name: str):
-    """``[(path, skip, take), ...]`` and the number of examples of a TFDS split expression."""
+    """``[(path, skip, take), ...]`` of a TFDS split expression."""
     try:
         split_info = info.splits[split]
     except (ValueError, KeyError, TypeError, AssertionError) as err:
@@ -263,4 +279,4 @@ def _split(info, split: str, role: str, name: str):
     parts = [(str(f.filename), int(f.skip), int(f.take)) for f in split_info.file_instructions]
     if not parts or split_info.num_examples == 0:
         raise ValueError(f"data.{role}={split!r}: selects no examples of {name!r}.")
-    return parts, int(split_info.num_examples)
+    return parts
