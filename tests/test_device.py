@@ -213,6 +213,7 @@ def test_batch_max_trials_share_one_optimizer(monkeypatch):
 
     class Fake:
         plan = None
+        sections = ()  # a trial names its plan: no sections here
 
     def make_engine(cfg, data, network, sections, strategy, batch, raw=False, optimizer=None):
         seen.append(optimizer)
