@@ -20,7 +20,7 @@ LAYERS = {
         ("network", ["sections/network"]),
         ("step", ["sections/step"]),
         ("verify", ["sections/verify"]),
-        ("facade", ["sections/__init__.py"]),
+        ("facade", ["sections/__init__.py", "sections/tf_compat.py"]),
     ],
     "runner": [
         ("errors", ["runner/errors.py"]),
@@ -33,8 +33,15 @@ LAYERS = {
     ],
 }
 #: What of the engine the other packages may import: its public names, its rules, its allocator setting, the names
-#: its readings are written under.
-PUBLIC_SECTIONS = {"sections", "sections.rules", "sections.allocator", "sections.telemetry"}
+#: its readings are written under, the TensorFlow internals the runner needs under public names.
+PUBLIC_SECTIONS = {"sections", "sections.rules", "sections.allocator", "sections.telemetry", "sections.tf_compat"}
+#: The one door to each dependency's internals: only these read ``keras.src``/``tensorflow.python`` or a private
+#: attribute of a Keras, keras-hub or TensorFlow object.
+DOORS = {"sections/backend/keras_internals.py", "sections/backend/tf_internals.py"}
+#: Private names of the standard library the code may read (not Keras's or TensorFlow's), and why.
+STDLIB_PRIVATE = {"_exit": "os._exit: a forked job's child leaves without the parent's exit handlers",
+                  "_remove": "weakref containers' own callback"}
+PRIVATE_MODULES = (("tensorflow", "python"), ("keras", "src"), ("keras_hub", "src"))
 #: Layers that must load without TensorFlow (the runner checks config with them before anything heavy loads).
 PLAIN = {"plain"}
 TF_MODULES = {"tensorflow", "keras"}
@@ -144,3 +151,78 @@ def test_the_check_finds_an_upward_import():
     network = Path("sections/network/network.py")
     assert len(_upward(network, "def f():\n    from ..step.engine import Engine\n    from .. import rules\n")) == 1
     assert _upward(network, "from .. import rules\nfrom ..backend.structure import nbytes\n") == []
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and not name.endswith("_")  # `_target_`: Hydra's
+
+
+def _project_names(paths: list[Path]) -> set[str]:
+    """Every name the project defines itself: functions, classes, attributes it assigns, variables, arguments."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.alias):
+                names.add((node.asname or node.name).split(".")[0])
+    return names
+
+
+def _reaches_inside(path: Path, ours: set[str], source: str | None = None) -> list[str]:
+    """Where ``path`` imports a dependency's private module or reads a private attribute the project does not
+    define (``x._name``, ``getattr(x, "_name")``): a Keras or TensorFlow internal, outside its door."""
+    wrong = []
+    for node in ast.walk(ast.parse(source if source is not None else (ROOT / path).read_text())):
+        modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                   else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        wrong += [f"{path}:{node.lineno} imports {m}" for m in modules if tuple(m.split(".")[:2]) in PRIVATE_MODULES]
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+            if (isinstance(node.value, ast.Name) and (node.value.id, name) in PRIVATE_MODULES + (("tf", "python"),)
+                    or _private(name) and name not in ours and name not in STDLIB_PRIVATE):
+                wrong.append(f"{path}:{node.lineno} reads {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr")
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and _private(node.args[1].value)
+              and node.args[1].value not in ours):
+            wrong.append(f"{path}:{node.lineno} reads {ast.unparse(node)}")
+    return wrong
+
+
+def test_dependency_internals_only_through_their_doors():
+    """Keras's and TensorFlow's internals are read in ``DOORS`` only; the rest of the tree (sections/, runner/,
+    models/) imports their public names."""
+    paths = [p for package in ("sections", "runner", "models") for p in _files(package)]
+    ours = _project_names([p for p in paths if str(p) not in DOORS])
+    wrong = [w for p in paths if str(p) not in DOORS for w in _reaches_inside(p, ours)]
+    assert not wrong, ("a dependency's internals outside sections/backend/keras_internals.py and tf_internals.py "
+                       "(docs/ARCHITECTURE.md, Keras internals):\n" + "\n".join(wrong))
+
+
+def test_the_doors_check_finds_a_private_read():
+    here = Path("sections/step/fit.py")
+    ours = {"_mine"}
+    source = ("from tensorflow.python.eager import context\nimport keras.src.backend\nx = model._loss_tracker\n"
+              "y = getattr(ctx, '_initialized', True)\nz = self._mine + os._exit\nw = cfg._target_\n")
+    assert [w.split(" ", 1)[1] for w in _reaches_inside(here, ours, source)] == [
+        "imports tensorflow.python.eager", "imports keras.src.backend", "reads model._loss_tracker",
+        "reads getattr(ctx, '_initialized', True)"]
+
+
+@pytest.mark.parametrize("door", sorted(DOORS))
+def test_every_touch_point_says_the_releases_it_was_written_for(door):
+    """Each public function of a door carries ``@written_for(package, lowest, first unsupported)``."""
+    tree = ast.parse((ROOT / door).read_text())
+    exempt = {"written_for", "check_versions"}
+    bare = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+            and n.name not in exempt
+            and not any(isinstance(d, ast.Call) and getattr(d.func, "id", None) == "written_for"
+                        for d in n.decorator_list)]
+    assert not bare, f"{door}: touch points without @written_for: {bare}"

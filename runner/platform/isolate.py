@@ -27,12 +27,9 @@ def available() -> bool:
 def _tensorflow_started() -> bool:
     if "tensorflow" not in sys.modules:
         return False
-    try:
-        from tensorflow.python.eager import context
+    from sections.tf_compat import runtime_started
 
-        return bool(getattr(context.context(), "_initialized", True))
-    except Exception:  # noqa: BLE001 - unknown: do not fork
-        return True
+    return runtime_started()  # unknown: started (do not fork)
 
 
 def run_in_child(job: Callable[[], float], record: Callable[[dict], None], describe: str) -> float:

@@ -14,6 +14,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from runner.errors import ConfigError, RunnerError
+from sections.tf_compat import checkpoint_state_parses, write_checkpoint_state
 
 log = logging.getLogger("runner")
 _NUMBERED = re.compile(r"^ckpt-(\d+)\.index$")
@@ -61,13 +62,10 @@ class Checkpoints:
     def _rebuild_state(self) -> None:
         """Write the `checkpoint` state file listing the checkpoints on disk, oldest first, so that the manager
         counts them towards `keep` (it prunes only what its state lists)."""
-        from tensorflow.python.checkpoint.checkpoint_management import update_checkpoint_state_internal
-
         found = sorted(self.numbered())
         stamps = [prefix.with_suffix(".index").stat().st_mtime for _, prefix in found]
-        update_checkpoint_state_internal(
-            str(self.directory), str(found[-1][1]), [str(p) for _, p in found], save_relative_paths=True,
-            all_model_checkpoint_timestamps=stamps, last_preserved_timestamp=min(stamps) - 1)
+        write_checkpoint_state(str(self.directory), str(found[-1][1]), [str(p) for _, p in found], stamps,
+                               last_preserved_timestamp=min(stamps) - 1)
 
     @property
     def latest(self) -> str | None:
@@ -158,14 +156,11 @@ def _without_variables(prefix: Path) -> bool:
 
 
 def _parses(state: Path) -> bool:
-    from google.protobuf import text_format
-    from tensorflow.python.checkpoint.checkpoint_management import CheckpointState
-
     try:
-        text_format.Merge(state.read_text(errors="strict"), CheckpointState())
-        return True
-    except Exception:  # noqa: BLE001 - undecodable bytes or not the proto's text format
+        text = state.read_text(errors="strict")
+    except (OSError, UnicodeDecodeError):  # undecodable bytes
         return False
+    return checkpoint_state_parses(text)  # the proto's text format
 
 
 def _first_line(err: BaseException) -> str:

@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from . import keras_internals as internals
+from . import tf_internals
 from .graph_gradient import custom_gradient
 
 __all__ = ["attention", "lean_attention", "QUERY_BLOCK", "attention_traces"]
@@ -66,7 +67,7 @@ def attention(q, k, v, *, scale: float, mask=None, causal: bool = False, dropout
     """
     if style not in STYLES:
         raise ValueError(f"style={style!r}: must be one of {STYLES}")
-    xla = internals.in_xla_compile()
+    xla = tf_internals.in_xla_compile()
     q, k, v = (tf.convert_to_tensor(t) for t in (q, k, v))
     args = [q, k, v]
     if mask is not None:

@@ -19,7 +19,7 @@ import functools
 
 import tensorflow as tf
 
-from . import keras_internals as internals
+from . import tf_internals as internals
 
 __all__ = ["custom_gradient"]
 

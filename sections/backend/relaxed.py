@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from . import keras_internals as internals
+from . import tf_internals as internals
 
 
 def _relax(value, batch: int):

@@ -14,6 +14,7 @@ import contextlib
 import tensorflow as tf
 
 from .. import rules
+from . import keras_internals as internals
 
 
 class DistributeError(ValueError):
@@ -54,7 +55,7 @@ class Replicas:
             raise DistributeError(
                 f"{len(outside)} variable(s) were created outside the strategy's scope (first: {outside[0]}); "
                 f"create the network's layers (and the optimizer) under `with strategy.scope():`.")
-        owner = getattr(optimizer, "_distribution_strategy", self.strategy)
+        owner = internals.optimizer_strategy(optimizer, self.strategy)
         if owner is not self.strategy:
             raise DistributeError(f"the optimizer {type(optimizer).__name__} was created outside the strategy's "
                                   f"scope; create it under `with strategy.scope():`.")

@@ -130,7 +130,7 @@ class Segment:
             node = g.nodes[i]
             op = g.operation(i)
             args, kwargs = node.arguments.fill_in(values)
-            if training is not None and "training" in getattr(op, "_call_context_args", ()):
+            if training is not None and "training" in internals.call_context_args(op):
                 kwargs["training"] = training
             outs = op(*args, **kwargs)
             values.update((id(x), y) for x, y in zip(node.outputs, tf.nest.flatten(outs)))
@@ -218,8 +218,7 @@ class _Graph:
         return masks
 
     def operation(self, i: int):
-        get = getattr(self.fn, "_get_operation_for_node", None)
-        return get(self.nodes[i]) if get else self.nodes[i].operation
+        return internals.operation_for_node(self.fn, self.nodes[i])
 
     def convert_input(self, tensor_id: int, x):
         ref = self.fn.inputs[self.input_ids.index(tensor_id)]

@@ -165,13 +165,13 @@ class SectionedModel(keras.Model):
 
     def train_step(self, data):
         """One step of the engine's cycle on a batch ``(x, y[, sample_weight])``; returns the logs."""
-        data = _global_batch(data, self._distribute_strategy)
+        data = _global_batch(data, internals.distribute_strategy(self))
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if y is None:
             raise ValueError("SectionedModel.fit needs targets: give y (or a dataset of (x, y) pairs).")
         if not self._fit_ready:
             with self.distribute_strategy.scope():
-                self._symbolic_build(data_batch=data)  # compiled loss, metrics and optimizer variables
+                internals.symbolic_build(self, data)  # compiled loss, metrics and optimizer variables
             self._fit_ready = True
         batch = {**self._inputs(x), "y": y}
         if sample_weight is not None:
@@ -190,7 +190,7 @@ class SectionedModel(keras.Model):
         y, sample_weight = batch["y"], batch.get("sample_weight")
         loss = self.compute_loss(x=None, y=y, y_pred=outputs, sample_weight=sample_weight, training=True)
         size = tf.shape(tf.nest.flatten(outputs)[0])[0]
-        self._loss_tracker.update_state(internals.unscale_loss_for_distribution(loss), sample_weight=size)
+        internals.loss_tracker(self).update_state(internals.unscale_loss_for_distribution(loss), sample_weight=size)
         self.compute_metrics(None, y, outputs, sample_weight=sample_weight)
         # Keras scales each replica's loss by 1/replicas; the engine scales the loss it differentiates itself.
         return internals.unscale_loss_for_distribution(loss)
@@ -212,7 +212,7 @@ class SectionedModel(keras.Model):
         return {"x": values[0], **{f"input:{n}": v for n, v in zip(names[1:], values[1:])}}
 
     def _new_engine(self, optimizer) -> Engine:
-        strategy = self._distribute_strategy
+        strategy = internals.distribute_strategy(self)
         return Engine(self.network, optimizer, jit_compile=bool(optimizer is not None and self.jit_compile),
                       distribute=strategy if strategy is not None and strategy.num_replicas_in_sync > 1 else None,
                       penalty=_weight_penalty(self.model),
