@@ -14,8 +14,7 @@ _EXPORTS = {
     "SectionedModel": ".step.fit", "MicroBatched": ".step.accumulate",
     "lean_attention": ".backend.attention", "lean_attention_active": ".backend.lean",
     "WholeGraph": ".step.peers", "RecomputeGrad": ".step.peers",
-    # Network from its Keras module: importing that sets Network.from_keras (it builds on sections.network.network).
-    "Network": ".network.keras_network", "Block": ".network.network", "from_keras": ".network.keras_network",
+    "Network": ".network.network", "Block": ".network.network", "from_keras": ".network.keras_network",
     "Section": ".schedule.partition",
     "Policy": ".schedule.policies", "Recompute": ".schedule.policies", "Store": ".schedule.policies",
     "Recreate": ".schedule.policies",

@@ -385,3 +385,16 @@ def test_subclassed_model_points_to_writing_blocks_by_hand():
 def test_wrong_number_of_fields():
     with pytest.raises(ValueError, match=r"fields=\[\]: .* 1 input\(s\) after the first \(\['meta'\]\)"):
         Network.from_keras(two_inputs(), xent, fields=[])
+
+
+def test_from_keras_is_a_method_of_network_itself():
+    """``Network.from_keras`` is defined on the class (a classmethod importing its module when called), not set
+    there by another module's import."""
+    import inspect
+
+    from sections.network import keras_network, network
+
+    assert isinstance(inspect.getattr_static(network.Network, "from_keras"), classmethod)
+    assert "from_keras" not in vars(keras_network.KerasNetwork)
+    net = network.Network.from_keras(residual(), xent)
+    assert isinstance(net, keras_network.KerasNetwork) and net.boundaries

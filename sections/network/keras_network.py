@@ -416,5 +416,3 @@ def _choose_cuts(graph: _Graph, cuts: list[int], budget: int, forced: list[int])
             room = 0
     return [c for c in cuts if c in chosen]
 
-
-Network.from_keras = staticmethod(from_keras)

@@ -157,10 +157,15 @@ class Network:
         with keras.StatelessScope():
             tf.function(lambda b: self.forward(b, training=True)).get_concrete_function(specs)
 
-    #: ``Network.from_keras(model, loss, inputs="image", fields=None, ...)``: a network cut from a built Keras
-    #: model at its layer names; it is ``sections.from_keras``, set on this class by
-    #: ``sections.network.keras_network`` (which builds on this module, so nothing here imports it back).
-    from_keras = None
+    @classmethod
+    def from_keras(cls, model, loss, inputs: str = "image", fields=None, metrics=None, loss_fields=None,
+                   max_blocks: int = 64, keep=(), names_hint: str | None = None) -> "Network":
+        """A network cut from a built Keras Functional or Sequential model at its layer names: ``sections.from_keras``
+        (``sections.network.keras_network``, where its arguments are told), a ``KerasNetwork``."""
+        from .keras_network import from_keras  # it builds on this module: imported when called
+
+        return from_keras(model, loss, inputs=inputs, fields=fields, metrics=metrics, loss_fields=loss_fields,
+                          max_blocks=max_blocks, keep=keep, names_hint=names_hint)
 
 
 def _to_block(item) -> Block:
