@@ -1,6 +1,8 @@
 """`python -m runner [overrides]`: see `runner.app`."""
 
+import contextlib
 import faulthandler
+import io
 import os
 import sys
 
@@ -16,7 +18,7 @@ from runner.app import CONF, main  # noqa: E402
 from runner.config.overrides import check_overrides  # noqa: E402
 from runner.config.resume import resume_arguments  # noqa: E402
 from runner.errors import ConfigError, full_errors  # noqa: E402
-from runner.help import cut_names_section, help_args, wants_help  # noqa: E402
+from runner.help import cut_names_section, help_args, shown_help, wants_help  # noqa: E402
 
 if __name__ == "__main__":
     try:
@@ -32,11 +34,13 @@ if __name__ == "__main__":
         sys.argv[1:] = kept
         if dropped:
             print(f"(--help shows one run's config: sweep values left out: {' '.join(dropped)})", flush=True)
-        code = 0
+        code, printed = 0, io.StringIO()
         try:
-            main()  # Hydra prints its help (and exits)
+            with contextlib.redirect_stdout(printed):
+                main()  # Hydra prints its help (and exits)
         except SystemExit as done:
             code = done.code
+        print(shown_help(printed.getvalue()), end="", flush=True)
         section = cut_names_section(sys.argv[1:], CONF) if not code else None
         if section:
             print(section, flush=True)

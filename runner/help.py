@@ -55,6 +55,8 @@ def cut_names_section(args: list[str], conf_dir: str, width: int = 100) -> str |
             cfg = compose("config", overrides=overrides)
     except Exception:  # noqa: BLE001 - sweep values (a,b) and the like: one model is not chosen, list nothing
         return None
+    if cfg.model.get("_target_") == RESNET:
+        return resnet_names_section(cfg.model, width)
     if cfg.model.get("_target_") not in KERAS_BUILDERS:
         return None
     note = ""
@@ -73,6 +75,42 @@ def cut_names_section(args: list[str], conf_dir: str, width: int = 100) -> str |
             return f"== Cut names ==\n{why}\n"
         note = f"({why}; listed for model.input_shape={list(FALLBACK_SHAPE)}, set a size it accepts)\n"
     return format_names(names, width) + note
+
+
+RESNET = "models.build_resnet"
+INTERNAL_GROUPS = ("bench",)  # conf/bench: the benchmark experiments' settings (experiment=bench_*), not for a run
+
+
+def shown_help(text: str) -> str:
+    """Hydra's `--help` text less the internal groups' lines."""
+    return "\n".join(line for line in text.split("\n") if not line.startswith(tuple(f"{g}: " for g in INTERNAL_GROUPS)))
+
+
+def resnet_block_names(model) -> list[str]:
+    """The block names `models.build_resnet` gives for `model` (its config), read without building it (no
+    TensorFlow for `--help`); tests/test_runner_config.py checks them against the built network."""
+    names = ["initial_conv"]
+    for i, depth in enumerate(model.get("depths") or ()):
+        for j in range(int(depth)):
+            names.append(f"scale{i}/block_{j}")
+            if model.get("split_blocks"):
+                names.append(f"scale{i}/block_{j}/conv2")
+    return names + ["final_pool"]
+
+
+def resnet_names_section(model, width: int = 100) -> str:
+    """The `--help` section listing the resnet's boundary names (blocks and their scale groups)."""
+    from sections import rules
+
+    try:
+        names = list(rules.default_boundaries(resnet_block_names(model)))
+    except (TypeError, ValueError) as err:  # depths that are not a list of ints: the run's checks say so
+        return f"== Cut names ==\ncannot list them for model.depths={model.get('depths')}: {err}\n"
+    wrapped = textwrap.fill(", ".join(names), width, initial_indent="  ", subsequent_indent="  ",
+                            break_on_hyphens=False)
+    return (f"== Cut names of resnet (sections=[name, ...] starts a section at that block, or at a scale's first "
+            f"block) ==\n{len(names)} names (sections=<int> and sections=auto cut among them too; default "
+            f"{list(model.get('default_sections') or [])}):\n{wrapped}\n")
 
 
 def cut_names(cfg) -> dict:

@@ -8,6 +8,13 @@ from sections.allocator import configure  # noqa: E402
 
 configure()  # the project's own CPU allocator setting (memory statistics on every CPU), as the runner's
 
+# TensorFlow's start-up lines (absl's banner, oneDNN, "failed call to cuInit" without a GPU) ignore
+# TF_CPP_MIN_LOG_LEVEL; an xdist worker printed them after the summary. Imported as the runner does: captured at the
+# file descriptor, shown only at the level TF_CPP_MIN_LOG_LEVEL allows (subprocesses inherit it: 2, errors only).
+from runner.platform.quiet import load_tensorflow  # noqa: E402
+
+load_tensorflow()
+
 
 def _two_logical_cpus() -> None:
     """Split the CPU into 2 logical devices before TensorFlow initializes them, so MirroredStrategy tests
