@@ -11,7 +11,7 @@ _EXPORTS = {
     "WeightPenalty": ".step.executor",
     "OutOfMemory": ".backend.device", "DeviceMemory": ".backend.device", "device_memory": ".backend.device",
     "device_budget": ".backend.device",
-    "SectionedModel": ".step.fit", "MicroBatched": ".step.accumulate",
+    "SectionedModel": ".keras_fit", "MicroBatched": ".step.accumulate",
     "lean_attention": ".backend.attention", "lean_attention_active": ".backend.lean",
     "WholeGraph": ".step.peers", "RecomputeGrad": ".step.peers",
     "Network": ".network.network", "Block": ".network.network", "from_keras": ".network.keras_network",

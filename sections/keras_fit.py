@@ -17,11 +17,11 @@ import weakref
 import keras
 import tensorflow as tf
 
-from .. import rules, telemetry
-from ..backend import keras_internals as internals
-from ..network.keras_network import _checked, from_keras
-from .engine import Engine
-from .executor import WeightPenalty
+from . import rules, telemetry
+from .backend import keras_internals as internals
+from .network.keras_network import _checked, from_keras
+from .step.engine import Engine
+from .step.executor import WeightPenalty
 
 __all__ = ["SectionedModel"]
 
