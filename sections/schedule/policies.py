@@ -3,7 +3,7 @@
 A policy has a forward (input border, batch fields -> output border, what it keeps) and a backward (what it
 kept, upstream gradient -> gradient on its input, gradients on its variables), in the spirit of
 ``jax.vjp``: the engine's cycle only moves what each section keeps from one to the other. ``fns`` is the
-section's compiled functions (``sections.step.compile.SectionFunctions``); ``snapshot`` is the section's state
+section's compiled functions (``sections.step.section_functions.SectionFunctions``); ``snapshot`` is the section's state
 before its first run in this step (``None`` on that first run), which every re-run replays.
 
 A new policy is one class here: a subclass with ``forward``, ``backward`` and ``cost`` (what the planner needs to

@@ -19,7 +19,7 @@ from ..network.network import Network
 from ..schedule.partition import Section, balanced_starts, format_table
 from ..schedule.program import Schedule
 from ..telemetry import StepReading
-from .compile import Borders, Compiled
+from .section_functions import Borders, Compiled
 
 
 class Trainer:

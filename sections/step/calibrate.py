@@ -21,7 +21,7 @@ from ..backend.profile import (SectionProbe, gradient_bytes, probe_memo, probe_s
 from ..backend.structure import nbytes
 from ..schedule.planner import DOES_NOT_FIT, NoPlanFits, Plan, least_peak, plan_measured
 from ..schedule.program import Schedule
-from .compile import Borders, Compiled
+from .section_functions import Borders, Compiled
 from .executor import DRY_NOISE, DryStep
 
 __all__ = ["Calibrator", "DryRun", "Floor", "PlanCosts", "BudgetExceededError"]

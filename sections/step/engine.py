@@ -21,7 +21,7 @@ from ..schedule.policies import Recompute, resolve
 from ..schedule.program import Schedule
 from .base import Trainer, _as_tensors
 from .calibrate import MAX_REPLANS, BudgetExceededError, Calibrator, PlanCosts, profile
-from .compile import Compiled, ReplayMismatchError, compile_schedule
+from .section_functions import Compiled, ReplayMismatchError, compile_schedule
 from .executor import DryStep, Executor, WeightPenalty, host_copy, write_back
 from .update import why_at_end
 

@@ -15,7 +15,7 @@ from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import local_size
 from ..schedule.policies import KEEP_INPUT
 from ..schedule.program import FORWARD, HOLD, LOSS, RESUME, kept_policy
-from .compile import Compiled
+from .section_functions import Compiled
 from .update import assign_in_place
 
 # The least a dry step's spread counts as, a fraction of its peak: with oneDNN off, steps read up to 0.2% (150 KiB

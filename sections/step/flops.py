@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from ..backend.profile import specs_at
 from ..backend.structure import float_leaves
-from .compile import Borders, Compiled
+from .section_functions import Borders, Compiled
 
 
 def _graph_flops(graph) -> int:

@@ -10,7 +10,7 @@ import tensorflow as tf
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import local_size
 from .base import Trainer
-from .compile import compile_partition
+from .section_functions import compile_partition
 
 log = logging.getLogger("sections")
 

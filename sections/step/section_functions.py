@@ -1,5 +1,5 @@
-"""Compiling: a schedule's sections and their compiled functions (first forward, replayed forward, re-run backward,
-the fused last section), as one ``Compiled`` record the executor runs."""
+"""A schedule turned into section functions: its sections and their compiled functions (first forward, replayed
+forward, re-run backward, the fused last section), as one ``Compiled`` record the executor runs."""
 
 from __future__ import annotations
 
