@@ -38,9 +38,10 @@ class Measurer:
         if compiled is None:
             compiled = self._compile(schedule)
             self.programs.append((schedule, compiled))
-        self.current = compiled
-        self.executor.adopt(self.current)
-        return self.current
+        if compiled is not self.current:  # adopting again would make (and trace) its update functions anew
+            self.current = compiled
+            self.executor.adopt(compiled)
+        return compiled
 
     def dry_step(self, schedule: Schedule, batch) -> DryStep:
         """``schedule``'s step run unapplied, its state and counters restored (``Executor.dry_step``)."""
