@@ -126,3 +126,15 @@ def machine_memory() -> tuple[int | None, str]:
         if text.isdigit() and int(text) < 2**60:  # "max" or a huge number: no limit
             found.append((int(text), f"the container's limit, {limit}"))
     return min(found) if found else (None, "neither physical memory nor a cgroup limit could be read")
+
+
+def kernel_crash_warning(environ=None) -> str | None:
+    """Where a dry step may kill the process instead of raising: a CPU allocator limit with oneDNN's kernels not
+    turned off (they do not check a failed scratch allocation: SIGSEGV). None elsewhere."""
+    env = os.environ if environ is None else environ
+    if cpu_limit(env) is None or onednn_off(env):
+        return None
+    state = f"{ONEDNN}={env[ONEDNN]}" if env.get(ONEDNN) is not None else f"{ONEDNN} unset (TensorFlow's choice)"
+    return (f"planning under the CPU allocator's limit {LIMIT}={env.get(LIMIT)} with {state}: where a dry step "
+            f"runs out of memory inside a oneDNN kernel the process can crash (SIGSEGV) instead of raising; set "
+            f"{ONEDNN}=0 before TensorFlow loads (the runner does) to plan safely")

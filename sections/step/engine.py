@@ -14,15 +14,17 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from .. import rules
+from ..allocator import kernel_crash_warning
 from ..backend.device import OutOfMemory
-from ..backend.profile import SectionProbe, probe_memo
+from ..backend.static_cost import static_blocks
 from ..network.network import Network
 from ..schedule.policies import Recompute, resolve
 from ..schedule.program import Schedule
 from .base import Trainer, _as_tensors
-from .calibrate import MAX_REPLANS, BudgetExceededError, Calibrator, PlanCosts, profile
+from .calibrate import MAX_REPLANS, BudgetExceededError, Calibrator, PlanCosts
 from .section_functions import Compiled, ReplayMismatchError, compile_schedule
 from .executor import DryStep, Executor, WeightPenalty, host_copy, write_back
+from .measure import Measurer
 from .update import why_at_end
 
 log = logging.getLogger("sections")
@@ -122,7 +124,6 @@ class Engine(Trainer):
             self.request = replace(self.request, policies=policies)
         #: Planning (``sections="auto"``; made at build), else None.
         self.calibrator: Calibrator | None = None
-        self._whole_batch_probe = False  # a refusal after a sliced probe's plan ran out: probed again at the batch
         #: Running: the compiled program's steps.
         self.executor = Executor(network, optimizer, self.replicas, self.meter, self._scale_loss, check=bool(check),
                                  jit_compile=self.jit_compile, apply_reason=apply_reason,
@@ -182,8 +183,9 @@ class Engine(Trainer):
         return self.calibrator.profiles if self.calibrator is not None else None
 
     @property
-    def section_probe(self):
-        return self.calibrator.section_probe if self.calibrator is not None else None
+    def dry_runs(self) -> list[dict]:
+        """``sections="auto"``: each dry step's predicted and measured peak (bytes), sections, and verdict."""
+        return self.calibrator.dry_runs if self.calibrator is not None else []
 
     # ------------------------------------------------------------------ partition
     def _settle(self, batch):
@@ -203,23 +205,22 @@ class Engine(Trainer):
 
             raise ValueError(f"sections='auto' plans on measured memory, but the allocator of "
                              f"{', '.join(self.meter.devices)} keeps no statistics: {missing_statistics_advice()}.")
-        real = self.borders.real_batch
-        no_room = (f"memory_budget={rules.human_bytes(self.memory_budget)} ({self.budget_source}): the device's "
-                   f"memory ({self.device_memory.describe()})")
         costs = PlanCosts.of(self.network, self.optimizer, self.borders, self.apply_reason is None)
         # What the device holds beside the model, its optimizer and the batch (an input pipeline's buffers, where
-        # they share the device): every step's peak includes it, so the first plan does too (dry steps correct it).
+        # they share the device): every step's peak includes it, so the first plan does too.
         resident = max(0, self.meter.current() - costs.base_bytes)
+        crash = kernel_crash_warning() if self.device_memory.device.upper().startswith("CPU") else None
+        if crash:
+            log.warning(crash)
+        log.info(f"planning: counting {len(self.network.blocks)} blocks' memory from their traces at batch "
+                 f"{self.borders.real_batch}")
         began = time.perf_counter()
-        probe_batch = self.request.probe_batch or (real if self._whole_batch_probe else rules.default_probe_batch(real))
-        small, profiles, reused = profile(self.network, batch, probe_batch, real, self.meter, self.lean, no_room)
-        profiled = time.perf_counter() - began
-        probe = SectionProbe(self.network, small, real, self.meter, memo=probe_memo(self.network, small, self.lean))
-        self.calibrator = Calibrator(profiles, probe, costs, self.memory_budget, self.budget_source, self.lean, self,
+        profiles = static_blocks(self.network, self.borders, self.lean)
+        measurer = Measurer(self.network, self.executor, self.compile, self.meter, self.lean)
+        self.calibrator = Calibrator(profiles, costs, self.memory_budget, self.budget_source, self.lean, measurer,
                                      resident=resident,
                                      device_limit=self.device_memory.total if self.device_memory.hard else None)
-        self.calibrator.seconds["block probe"] = profiled
-        self.calibrator.block_probe_reused = reused
+        self.calibrator.seconds["model"] += time.perf_counter() - began
         return self.calibrator.plan.schedule
 
     def build(self, batch) -> None:
@@ -233,23 +234,11 @@ class Engine(Trainer):
         if self.meter.available and not self.replicas.distributed:
             calibrator.calibrate(self.replicas.split(dict(_as_tensors(self.network, batch))))
             self.below_resolution = self.below_resolution or calibrator.measured_nothing
-        calibrator.section_probe.release()  # planning is done (also before each dry step): a re-plan re-computes
+        if calibrator.measurer.current is not None:
+            self.compiled = calibrator.measurer.current
         log.info(calibrator.planning_summary())
         if calibrator.refusal is not None:
             self._built = False
-            real, sliced = self.borders.real_batch, calibrator.section_probe.pb
-            if calibrator.dry_steps and not self._whole_batch_probe and self.request.probe_batch is None \
-                    and sliced < real:
-                # Figures scaled from a slice can mislead where the whole batch does not (the runner's small ResNet
-                # at 496 on a 350 MiB device: the slice's plan ran out and none was left; probing 496, a 4-section
-                # plan held 316 MiB; at 512, plans of 5 and 6 sections read 332.6-332.8 MiB against a 332.5 MiB
-                # budget where other processes' held 265-305): once, the batch itself is probed before refusing.
-                why = ("a dry step ran out of device memory" if calibrator.dry_ran_out else
-                       "dry steps measured over the budget")
-                log.warning(f"no plan fits on figures scaled from a probe of {sliced} examples after {why}: "
-                            f"probing the whole batch ({real})")
-                self._whole_batch_probe = True
-                return self.build(batch)
             raise calibrator.refusal
 
     # ------------------------------------------------------------------ compiling, and what calibration runs
@@ -271,11 +260,7 @@ class Engine(Trainer):
         self.executor.adopt(compiled)
 
     def dry_step(self, batch) -> DryStep:
-        """The current program's step run unapplied, its state restored (``Executor.dry_step``); the section
-        probe's cached borders are dropped first: training will not hold them (a re-plan re-computes those it
-        needs)."""
-        if self.calibrator is not None:
-            self.calibrator.section_probe.release()
+        """The current program's step run unapplied, its state restored (``Executor.dry_step``)."""
         return self.executor.dry_step(batch, self.read_counters)
 
     def _policy_label(self, section) -> str:
@@ -302,6 +287,7 @@ class Engine(Trainer):
                 if attempt == MAX_REPLANS:
                     raise
                 self.calibrator.replan_below(err, batch)
+                self.compiled = self.calibrator.measurer.current
         raise AssertionError("unreachable")
 
     def _step_as_compiled(self, batch):

@@ -1,0 +1,106 @@
+"""Each block's costs counted from its traced forward and backward at the real batch (``liveness``): the bytes its
+output border holds, what its forward leaves its backward, what its backward needs beside that, and its forward
+work in floating-point operations. Tracing runs nothing: the figures are the same in every process and cost no
+device memory. What they leave out (kernels' work buffers, the allocator) is fitted from measurements by
+``sections.schedule.search``."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from .lean import lean_scope
+from .liveness import graph_memory
+from .profile import BlockProfile, _first_component, specs_at
+from .structure import float_leaves, nbytes
+
+GFLOP = 1e9  # forward work is counted in these units (the planner weighs re-runs by it)
+
+
+def forward_flops(ops) -> float:
+    """Floating-point operations of ``ops`` from their static shapes: convolutions and matrix products by their
+    multiply-adds, every other op one per output element."""
+    total = 0.0
+    for op in ops:
+        if not op.outputs:
+            continue
+        out = op.outputs[0]
+        if not out.shape.is_fully_defined() or not out.dtype.is_floating:
+            continue
+        n = out.shape.num_elements()
+        if op.type in ("Conv2D", "Conv3D", "DepthwiseConv2dNative") and len(op.inputs) > 1 \
+                and op.inputs[1].shape.is_fully_defined():
+            kernel = op.inputs[1].shape.as_list()
+            per_out = math.prod(kernel[:-1]) if op.type != "DepthwiseConv2dNative" else math.prod(kernel[:2])
+            total += 2.0 * n * per_out
+        elif op.type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3") \
+                and op.inputs[0].shape.is_fully_defined():
+            shape = op.inputs[0].shape.as_list()
+            transposed = op.get_attr("transpose_a") if op.type == "MatMul" else op.get_attr("adj_x")
+            total += 2.0 * n * (shape[-2] if transposed else shape[-1])
+        elif op.type == "Einsum" and op.inputs[0].shape.is_fully_defined():
+            inner = max(1, op.inputs[0].shape.num_elements() // max(1, n))
+            total += 2.0 * n * max(1, inner)
+        else:
+            total += n
+    return total
+
+
+def _trace(block, h_specs, batch_specs, lean):
+    """The block's forward and backward traced at the specs' batch: the graph and the index of its first
+    backward op."""
+    state = list(block.layer.non_trainable_variables)
+    variables = [_first_component(v) for v in block.layer.trainable_variables]
+    split = []
+
+    def train(h, batch, snapshot):
+        with tf.GradientTape() as tape:
+            xs = float_leaves(h)
+            tape.watch(xs)
+            with keras.StatelessScope(state_mapping=list(zip(state, snapshot))):
+                out = block(h, batch, training=True)
+        split.append(len(tf.compat.v1.get_default_graph().get_operations()))
+        ys = float_leaves(out)
+        if ys and (xs or variables):
+            return tape.gradient(ys, xs + variables, output_gradients=[tf.ones_like(y) for y in ys])
+        return []
+
+    snapshot = [tf.TensorSpec(v.shape, v.dtype) for v in state]
+    with lean_scope(lean):
+        graph = tf.function(train).get_concrete_function(h_specs, batch_specs, snapshot).graph
+    return graph, split[0]
+
+
+def batch_specs(small: dict, real: int) -> dict:
+    """The batch's TensorSpecs at the real batch size, from a slice of it."""
+    return {k: tf.TensorSpec([real] + list(v.shape[1:]), v.dtype) for k, v in small.items()}
+
+
+def static_blocks(network, borders, lean) -> list[BlockProfile]:
+    """Every block's ``BlockProfile`` counted from its trace at the real batch (``borders``: the network's border
+    specs at the real batch and a slice of the batch). ``forward_seconds`` holds forward work in ``GFLOP``
+    units (the planner compares re-runs by it; no clock is read)."""
+    real = borders.real_batch
+    fields = batch_specs(borders.probe_slice, real)
+    profiles = []
+    for j, block in enumerate(network.blocks):
+        h = borders.specs_before(j)
+        graph, split = _trace(block, h, fields, lean)
+        memory = graph_memory(graph, split)
+        out = nbytes(borders.output_specs[j])
+        last = j == len(network.blocks) - 1
+        # The upstream gradient (``ones_like``) stands for the caller's, which the planner counts as held.
+        upstream = 0 if last else out
+        peak = max(memory.peak - upstream, 0)
+        kept = min(memory.kept, peak)
+        work = forward_flops(graph.get_operations()[:split]) / GFLOP
+        profiles.append(BlockProfile(name=block.name, output_bytes=out, kept_bytes=kept,
+                                     transient_bytes=max(peak - kept, 0), forward_seconds=work, stored_bytes=kept))
+    return profiles
+
+
+def input_specs_at(borders, block: int):
+    """Block ``block``'s input specs at the real batch."""
+    return specs_at(borders.specs_before(block), borders.real_batch)

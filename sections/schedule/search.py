@@ -1,0 +1,194 @@
+"""Which plan to dry-run next, which one runs, and when to refuse: plain Python over recorded measurements.
+
+The cost model counts each block's bytes from its trace (exact shapes at the real batch); what it cannot see
+(kernels' work buffers, the allocator's rounding) is fitted from measurements: a measured block's backward and
+each dry step give a point ``(modelled, measured)`` in bytes beyond the base (variables, optimizer slots, the
+batch), and ``fit`` draws a line through them. A plan is tried when the line puts it under the budget with a
+margin; a plan runs when its dry step, plus what its repeated runs differed by, is within the budget. At most
+``DRY_STEPS`` dry steps: the plan the model picks for the budget, the one it picks again with the line refitted,
+then the least-memory plan. A refusal always follows a dry step of the least-memory plan, and names its figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+DRY_STEPS = 3
+# A plan is tried when its prediction is this far below the budget: a dry step that runs out of memory costs the
+# allocator's retries (10 s per failing request on TensorFlow's BFC allocator; a minute or more a step).
+MARGIN = 0.10
+MIN_SCALE = 0.25
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measurement: the model's bytes beyond the base and what was measured beyond it; ``ran_out``: the device
+    had no memory for it (``measured`` is then a lower bound)."""
+
+    modelled: int
+    measured: int
+    ran_out: bool = False
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``measured ~ scale * modelled + extra`` (bytes beyond the base); ``kind`` says how it was drawn."""
+
+    scale: float = 1.0
+    extra: int = 0
+    kind: str = "the model alone"
+    ratio: float = 0.0  # beyond ``upto`` modelled bytes (no measurement there), at least this times the model
+    upto: int = 0
+
+    def predict(self, modelled: int) -> int:
+        line = self.scale * modelled + self.extra
+        return int(max(line, self.ratio * modelled) if modelled > self.upto else line)
+
+    def room(self, bytes_: float) -> int:
+        """The most bytes a plan may model for its prediction to stay within ``bytes_``."""
+        room = (bytes_ - self.extra) / self.scale if self.scale > 0 else 0
+        if self.ratio > 0 and bytes_ / self.ratio > self.upto:
+            room = min(room, max(bytes_ / self.ratio, self.upto))
+        return int(room)
+
+    def describe(self) -> str:
+        from ..rules import human_bytes
+
+        sign = "+" if self.extra >= 0 else "-"
+        return (f"{self.kind}: measured = {self.scale:.3g} x counted {sign} {human_bytes(abs(self.extra))}"
+                + (f", and at least {self.ratio:.3g} x counted above {human_bytes(self.upto)}" if self.ratio else ""))
+
+
+def fit(points: Sequence[Point]) -> Fit:
+    """The line through the two latest points whose modelled figures differ by more than a tenth (a scale and a
+    fixed part: work buffers do not grow with a plan, the allocator's rounding does); with one such point, the
+    more cautious of a scale and a fixed offset for plans larger than it (the scale where the model counted too
+    little, the offset where it counted too much)."""
+    usable = [p for p in points if p.modelled > 0]
+    if not usable:
+        return Fit()
+    # Above the largest plan measured, no line is trusted further than the ratio measured there: a larger plan's
+    # largest section can bring larger work buffers.
+    top = max(usable, key=lambda p: p.modelled)
+    beyond = dict(ratio=top.measured / top.modelled, upto=top.modelled)
+    latest = usable[-1]
+    other = next((p for p in reversed(usable[:-1])
+                  if abs(p.modelled - latest.modelled) > 0.1 * max(p.modelled, latest.modelled)), None)
+    if other is not None:
+        scale = (latest.measured - other.measured) / (latest.modelled - other.modelled)
+        if scale >= MIN_SCALE:
+            return Fit(scale, int(latest.measured - scale * latest.modelled), "a line through two measurements",
+                       **beyond)
+    if latest.measured >= latest.modelled:
+        return Fit(latest.measured / latest.modelled, 0, "one measurement's ratio")
+    return Fit(1.0, latest.measured - latest.modelled, "one measurement's offset", **beyond)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan the pure planner made: a key naming its schedule, its modelled bytes beyond the base, and its
+    forward work (re-runs included: less is faster)."""
+
+    key: object
+    modelled: int
+    work: float
+
+
+@dataclass(frozen=True)
+class DryStep:
+    """A candidate's dry step: the peak measured (absolute bytes), what its repeated runs differed by, whether it
+    ran out of memory, and the fit's prediction before it ran."""
+
+    candidate: Candidate
+    peak: int
+    spread: int
+    ran_out: bool
+    predicted: int
+
+
+@dataclass
+class Search:
+    """The search's record: the budget, the base, the block measurements and the dry steps so far."""
+
+    budget: int
+    base: int
+    blocks: list = field(default_factory=list)  # Points from measured blocks
+    steps: list = field(default_factory=list)   # DryStep records
+    max_steps: int = DRY_STEPS
+
+    def points(self) -> list[Point]:
+        return [*self.blocks, *(Point(s.candidate.modelled, s.peak - self.base, s.ran_out) for s in self.steps)]
+
+    def fit(self) -> Fit:
+        return fit(self.points())
+
+    def margin(self) -> float:
+        return MARGIN
+
+    def line(self, spread: int = 0) -> float:
+        """The most a candidate's prediction (absolute bytes) may reach to be tried."""
+        return (1.0 - self.margin()) * self.budget - spread
+
+    def predict(self, candidate: Candidate) -> int:
+        return self.base + self.fit().predict(candidate.modelled)
+
+    def fits(self, step: DryStep) -> bool:
+        return not step.ran_out and step.peak + step.spread <= self.budget
+
+    def tried(self, candidate: Candidate | None) -> bool:
+        return candidate is not None and any(s.candidate.key == candidate.key for s in self.steps)
+
+    def best(self) -> DryStep | None:
+        """Of the dry steps that fit, the least work (then the smaller peak): the plan that runs."""
+        fitting = [s for s in self.steps if self.fits(s)]
+        return min(fitting, key=lambda s: (s.candidate.work, s.peak)) if fitting else None
+
+
+@dataclass(frozen=True)
+class Try:
+    candidate: Candidate
+    why: str
+
+
+@dataclass(frozen=True)
+class Run:
+    step: DryStep
+
+
+@dataclass(frozen=True)
+class Refuse:
+    step: DryStep | None  # the least-memory plan's dry step (None: nothing could be dry-run)
+
+
+def decide(search: Search, plan_within: Callable[[int], Candidate | None], least: Callable[[], Candidate],
+           spread: int = 0) -> Try | Run | Refuse:
+    """The next move: ``plan_within(bytes)``: the planner's fastest candidate whose modelled bytes stay within that
+    many (None where none does); ``least()``: its least-memory candidate. ``spread``: what repeated measurements
+    varied by so far."""
+    current = search.fit()
+    target = plan_within(current.room(search.line(spread) - search.base))
+    best = search.best()
+    if best is not None:
+        if (len(search.steps) < search.max_steps and target is not None and not search.tried(target)
+                and target.work < best.candidate.work):
+            return Try(target, "the refitted model puts a faster plan within the budget")
+        return Run(best)
+    if len(search.steps) >= search.max_steps:
+        return Refuse(_least_step(search, least))
+    floor = least()
+    # The last dry step left is the least-memory plan's: a refusal always rests on it.
+    if len(search.steps) < search.max_steps - 1 and target is not None and not search.tried(target):
+        return Try(target, "the fastest plan the model puts within the budget"
+                   if not search.steps else "the refitted model's plan for the budget")
+    if not search.tried(floor):
+        return Try(floor, "the least-memory plan (no plan the model puts within the budget fitted)")
+    return Refuse(_least_step(search, least))
+
+
+def _least_step(search: Search, least: Callable[[], Candidate]) -> DryStep | None:
+    floor = least()
+    mine = [s for s in search.steps if s.candidate.key == floor.key]
+    if mine:
+        return mine[-1]
+    return min(search.steps, key=lambda s: s.peak) if search.steps else None
