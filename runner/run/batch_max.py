@@ -221,6 +221,8 @@ def announce(model: str, engine: str, budget: int, source: str, auto: bool, cap:
 def plan_of(engine) -> str:
     """A trial's plan in a few words: its sections and their policies."""
     policies = [str(s.policy) for s in engine.sections]
+    if policies and set(policies) == {"whole"}:
+        return "one whole-graph step"  # engine=whole: its sections are the model's, run as one graph
     return f"{len(policies)} section{'s' if len(policies) != 1 else ''}: {', '.join(policies)}"
 
 
