@@ -17,7 +17,7 @@ draws its own masks). The engine's update moves to the end of the step (its grad
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import tensorflow as tf
 
@@ -47,15 +47,26 @@ def weights(sizes: list[int]) -> list[float]:
     return [s / total for s in sizes]
 
 
-def split(batch: Mapping, sizes: list[int]) -> list[dict]:
-    """``batch`` cut along its first dimension into consecutive parts of ``sizes`` (each slice made where its
-    tensor lives: a host batch stays on the host until a step reads it)."""
-    parts, start = [], 0
-    for size in sizes:
-        parts.append({k: tf.nest.map_structure(lambda t, a=start, b=start + size: _rows(t, a, b), v)
-                      for k, v in batch.items()})
-        start += size
-    return parts
+class Parts(Sequence):
+    """``batch`` cut along its first dimension into consecutive parts of ``sizes``, each sliced when it is read
+    (so a step holds one micro-batch's copy at a time, as the dry steps that planned it did) and where its tensor
+    lives (a host batch stays on the host until a step reads it)."""
+
+    def __init__(self, batch: Mapping, sizes: list[int]):
+        self.batch, self.sizes = batch, list(sizes)
+        self.starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> dict:
+        a, b = self.starts[i], self.starts[i] + self.sizes[i]
+        return {k: tf.nest.map_structure(lambda t: _rows(t, a, b), v) for k, v in self.batch.items()}
+
+
+def split(batch: Mapping, sizes: list[int]) -> Parts:
+    """``batch`` cut into micro-batches of ``sizes`` (``Parts``: each sliced when read)."""
+    return Parts(batch, sizes)
 
 
 def _rows(t, a: int, b: int):
@@ -184,12 +195,12 @@ class MicroBatched:
             grads[i] = tf.identity(self._sums[i]) if g is None else g
         return tf.constant(loss), unscale(grads, trainer.optimizer)
 
-    def _parts(self, batch, sizes=None) -> list[dict]:
+    def _parts(self, batch, sizes=None) -> Parts:
         if sizes is None:  # the step's own cut (another, e.g. the exactness check's, is not kept)
             sizes = self.sizes = micro_sizes(_batch_size(batch), self.micro_batch)
         return split(batch, sizes)
 
-    def _step(self, parts: list[dict]) -> StepReading:
+    def _step(self, parts: Parts) -> StepReading:
         trainer = self.trainer
         loss, present, peaks, device_peaks = self._summed(parts)
         trainer.meter.reset()
@@ -207,11 +218,11 @@ class MicroBatched:
                 trainer.adopt(schedule)
         return reading
 
-    def _summed(self, parts: list[dict]):
+    def _summed(self, parts: Parts):
         """Each micro-batch's gradients added into the sums, weighted by its share: the batch's loss, which
         gradients are present (``{index: None}`` for a dense sum in its variable, or the sparse sum itself),
         each section's largest backward peak (None: not measured per section) and each device's."""
-        shares = weights([_batch_size(p) for p in parts])
+        shares = weights(parts.sizes)
         total, present, peaks, device_peaks = 0.0, {}, None, {}
         for n, (part, share) in enumerate(zip(parts, shares)):
             loss, grads, section_peaks, step_peaks = self._one(part)
@@ -229,7 +240,7 @@ class MicroBatched:
                         g.dense_shape)
                 else:
                     present[i] = None
-            del grads, dense
+            del grads, dense, part  # before the next micro-batch is sliced
             if section_peaks is not None:
                 peaks = list(section_peaks) if peaks is None else [max(a, b) for a, b in zip(peaks, section_peaks)]
             for d, p in step_peaks.items():
