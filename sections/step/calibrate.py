@@ -9,6 +9,8 @@ import math
 import time
 from dataclasses import dataclass, replace
 
+import tensorflow as tf
+
 from .. import rules
 from ..backend.device import OutOfMemory
 from ..backend.profile import gradient_bytes
@@ -75,7 +77,8 @@ class Calibrator:
     the corrections made in training, in words; ``dry_runs`` each dry step's predicted and measured peak."""
 
     def __init__(self, profiles: list, costs: PlanCosts, budget: int, budget_source: str, lean, measurer: Measurer,
-                 resident: int = 0, device_limit: int | None = None):
+                 resident: int = 0, device_limit: int | None = None, probe_batch: int | None = None):
+        self.probe_batch = probe_batch  # examples the measured block runs (None: the real batch)
         self.profiles, self.costs, self.lean, self.measurer = profiles, costs, lean, measurer
         self.budget, self.budget_source = budget, budget_source
         self.device_limit = device_limit
@@ -183,13 +186,18 @@ class Calibrator:
         j = max(range(len(self.profiles)), key=lambda i: self.profiles[i].kept_bytes + self.profiles[i].transient_bytes)
         p = self.profiles[j]
         last = j == len(self.profiles) - 1
-        modelled = p.kept_bytes + p.transient_bytes
-        measured, ran_out = self.measurer.block(batch, j, 0 if last else p.output_bytes)
+        real = int(tf.nest.flatten(batch)[0].shape[0])
+        examples = min(self.probe_batch or real, real)
+        # Counted activations grow with the batch: at a slice, the block's count scaled to it.
+        modelled = (p.kept_bytes + p.transient_bytes) * examples // real
+        if examples < real:
+            batch = {k: v[:examples] for k, v in batch.items()}
+        measured, ran_out = self.measurer.block(batch, j, 0 if last else p.output_bytes * examples // real)
         if not measured:
             self.measured_nothing = True
             return
         self.search.blocks.append(Point(modelled, measured, ran_out))
-        log.info(f"planning: block {p.name!r} measured {rules.human_bytes(measured)} against "
+        log.info(f"planning: block {p.name!r} at {examples} examples measured {rules.human_bytes(measured)} against "
                  f"{rules.human_bytes(modelled)} counted from its trace"
                  + (" (ran out of device memory: at least that)" if ran_out else ""))
 

@@ -68,10 +68,10 @@ class Engine(Trainer):
             learning rate and math per variable) for Keras's per-variable optimizers (``sections.step.update``),
             an error for others. ``"at_end"``: one apply after the whole backward. ``"auto"`` (default):
             ``in_backward`` where it is exact, else ``at_end`` (``apply_reason`` says why).
-        probe_batch: examples the planner's block and section probes run (``sections="auto"`` only), their
-            figures scaled to the real batch (one replica's share); default ``rules.default_probe_batch``: the real
-            batch up to 64, else 64 times the largest power of two within a quarter of it. Dry steps run the real
-            batch.
+        probe_batch: examples the planner's one measured block runs (``sections="auto"`` only; default None: the
+            real batch, one replica's share). Every block's costs are counted from its trace at the real batch;
+            the measured block fits the count to the device (kernels' work buffers, the allocator). Dry steps run
+            the real batch.
         device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
             strategy, its replica devices).
         distribute: a ``tf.distribute`` strategy (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``) to run
@@ -218,7 +218,7 @@ class Engine(Trainer):
         profiles = static_blocks(self.network, self.borders, self.lean)
         measurer = Measurer(self.network, self.executor, self.compile, self.meter, self.lean)
         self.calibrator = Calibrator(profiles, costs, self.memory_budget, self.budget_source, self.lean, measurer,
-                                     resident=resident,
+                                     resident=resident, probe_batch=self.request.probe_batch,
                                      device_limit=self.device_memory.total if self.device_memory.hard else None)
         self.calibrator.seconds["model"] += time.perf_counter() - began
         return self.calibrator.plan.schedule

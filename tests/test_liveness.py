@@ -1,0 +1,79 @@
+"""Memory counted from a traced graph (``sections.backend.liveness``) and the per-block costs built on it."""
+
+import keras
+import tensorflow as tf
+
+from sections.allocator import kernel_crash_warning
+from sections.backend.liveness import graph_memory
+
+MiB = 2**20
+
+
+def _graph(fn, *specs):
+    return tf.function(fn).get_concrete_function(*specs).graph
+
+
+def test_a_chain_holds_two_buffers_at_once_and_views_hold_none():
+    spec = tf.TensorSpec([256, 1024], tf.float32)  # 1 MiB
+
+    def chain(x):
+        a = x * 2.0          # 1 MiB (x is the caller's)
+        b = tf.reshape(a, [1024, 256])  # a view
+        c = tf.exp(b) + 1.0  # exp reuses nothing it does not own last... a dies at exp: reused in place
+        return tf.reduce_sum(c)
+
+    memory = graph_memory(_graph(chain, spec))
+    assert memory.peak == 1 * MiB + 4, memory  # one buffer, written in place along the chain, and the sum
+
+    def both(x):
+        a = x * 2.0
+        b = x * 3.0  # a still alive: two buffers
+        return a + b
+
+    assert graph_memory(_graph(both, spec)).peak == 2 * MiB
+
+
+def test_what_a_forward_leaves_its_backward_is_counted_as_kept():
+    spec = tf.TensorSpec([256, 1024], tf.float32)
+    split = []
+
+    def train(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.exp(x)          # exp's gradient reads its output: kept
+            z = tf.reduce_sum(y * y)
+        split.append(len(tf.compat.v1.get_default_graph().get_operations()))
+        return tape.gradient(z, x)
+
+    graph = _graph(train, spec)
+    memory = graph_memory(graph, split[0])
+    assert memory.kept >= 1 * MiB and memory.peak >= memory.kept and memory.unsized == 0
+
+
+def test_unknown_shapes_are_said_not_counted():
+    memory = graph_memory(_graph(lambda x: x * 2.0, tf.TensorSpec([None, 8], tf.float32)))
+    assert memory.unsized == 1 and memory.peak == 0
+
+
+def test_a_cpu_limit_with_onednn_not_off_is_said_before_planning():
+    """A user's script: keras loaded TensorFlow before sectionflow could turn oneDNN off under the limit."""
+    line = kernel_crash_warning({"TF_CPU_BFC_MEM_LIMIT_IN_MB": "455", "TF_CPU_ALLOCATOR_USE_BFC": "true"})
+    assert "crash" in line and "TF_ENABLE_ONEDNN_OPTS=0" in line and "455" in line
+    assert kernel_crash_warning({"TF_CPU_BFC_MEM_LIMIT_IN_MB": "455", "TF_CPU_ALLOCATOR_USE_BFC": "true",
+                                 "TF_ENABLE_ONEDNN_OPTS": "0"}) is None
+    assert kernel_crash_warning({}) is None
+
+
+def test_block_costs_are_the_same_in_every_count_and_grow_with_the_batch():
+    """Counted, not measured: two counts agree exactly (the same plan in every process), and activations grow
+    with the batch."""
+    from engine_nets import conv_stack, make_batch
+    from sections import Engine
+
+    figures = []
+    for n in (16, 16, 32):
+        engine = Engine(conv_stack(depth=3), keras.optimizers.SGD(0.1), sections="auto", memory_budget="4GiB")
+        engine.build(make_batch(n=n, size=8, classes=10))
+        figures.append([(p.kept_bytes, p.transient_bytes, p.output_bytes) for p in engine.profiles])
+    assert figures[0] == figures[1]
+    assert sum(k for k, *_ in figures[2]) > sum(k for k, *_ in figures[0])
