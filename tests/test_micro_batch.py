@@ -79,6 +79,7 @@ TRAINERS = {
     "engine-2-sections": lambda net, opt: Engine(net, opt, sections=2),
     "engine-3-sections-store": lambda net, opt: Engine(net, opt, sections=3,
                                                        policy=["store", "recompute", "recompute"]),
+    "engine-auto": lambda net, opt: Engine(net, opt, sections="auto"),  # planned for the micro-batch
     "whole": lambda net, opt: WholeGraph(net, opt, sections=2),
     "recompute_grad": lambda net, opt: RecomputeGrad(net, opt, sections=2),
 }
@@ -89,7 +90,7 @@ TRAINERS = {
     # the same sums under other trainers and Adam (scale-blind at its first step, but its count must move once)
     *[pytest.param(o, t, marks=pytest.mark.slow) for o, t in [
         ("adam", "engine-2-sections"), ("sgd", "engine-3-sections-store"), ("adam", "engine-3-sections-store"),
-        ("sgd", "recompute_grad"), ("adam", "recompute_grad"), ("adam", "whole")]]])
+        ("sgd", "recompute_grad"), ("adam", "recompute_grad"), ("adam", "whole"), ("sgd", "engine-auto")]]])
 def test_micro_batches_update_as_one_step_over_the_whole_batch(trainer, optimizer):
     """Two steps of 24 examples as micro-batches of 7 (sizes 6, 6, 6, 6) equal two steps of a plain GradientTape
     loop over the whole 24: the update over every variable, as one vector, within float32 rounding. SGD's update
@@ -107,6 +108,7 @@ def test_micro_batches_update_as_one_step_over_the_whole_batch(trainer, optimize
     trained = MicroBatched(TRAINERS[trainer](network(layers), opt), micro_batch=7)
     losses = [trained.train_step(b)["loss"] for b in data]
     assert trained.sizes == [6, 6, 6, 6]
+    assert trained.borders.real_batch == 6  # built (and with sections="auto" planned) for the micro-batch
     assert int(opt.iterations.numpy()) == 2  # one update per batch
     distance = relative_update_distance(weights(layers), weights(reference), start)
     assert distance < 1e-5, distance
