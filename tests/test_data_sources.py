@@ -507,8 +507,8 @@ def test_two_workers_on_an_image_folder_train_like_one_device(tmp_path):
     args = ["data=image_folder", f"data.path={root}", "data.augment=[flip]", "model=mlp", "model.hidden=[16]",
             "train=smoke", "train.steps=3", "batch=16", "train.eval_every=3", "train.verify_exact=false"]
     results = two_workers(args, tmp_path)
-    assert "data: this worker loads rows 0..7 of each batch of 16" in "".join(results[0])
-    assert "data: this worker loads rows 8..15 of each batch of 16" in "".join(results[1])
+    assert "data: this worker trains rows 0..7 of each batch of 16" in "".join(results[0])
+    assert "data: this worker trains rows 8..15 of each batch of 16" in "".join(results[1])
     one = runner(*args, f"hydra.run.dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-2000:]
     chief = json.loads((tmp_path / "w0" / "metrics.json").read_text())
