@@ -72,7 +72,8 @@ def _resumed(cfg: DictConfig):
     from runner.errors import ConfigError
 
     hc = HydraConfig.get() if HydraConfig.initialized() else None
-    if hc is not None and getattr(hc.mode, "name", None) == "MULTIRUN":
+    own = hc is not None and Path(str(cfg.resume)).resolve() == Path(hc.runtime.output_dir).resolve()
+    if hc is not None and getattr(hc.mode, "name", None) == "MULTIRUN" and not own:  # own: a continued sweep's job
         raise ConfigError("resume", cfg.resume, "continues one run in its own folder; it cannot be swept (-m)")
     merged, changes = resumed_config(cfg, list(hc.overrides.task) if hc else [])
     folder = run_folder(cfg.resume)

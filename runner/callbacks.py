@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
+
+from runner.config.resume import RESUMING, SWEEP_RECORD
 
 JOB_STATUS = "status.json"
 
@@ -45,6 +48,11 @@ class UniqueOutputDir(Callback):
             config.hydra.run.dir = str(folder)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        continued = os.environ.get(RESUMING)
+        if continued and Path(OmegaConf.select(config, "hydra.sweep.dir")).resolve() == Path(continued).resolve():
+            print(f"[sweep] {continued}: continued (finished jobs kept, interrupted ones resumed from their "
+                  f"checkpoints, the others run)", flush=True)
+            return
         try:
             folder = str(claim_folder(OmegaConf.select(config, "hydra.sweep.dir")))
         except OSError as err:
@@ -55,6 +63,12 @@ class UniqueOutputDir(Callback):
             config.hydra.sweep.dir = folder
             quoted = folder.replace("\\", "\\\\").replace("'", "\\'")
             config.hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
+        record = {"task": list(config.hydra.overrides.task), "hydra": list(config.hydra.overrides.hydra),
+                  "sweeper": OmegaConf.select(config, "hydra.sweeper._target_")}
+        try:
+            (Path(folder) / SWEEP_RECORD).write_text(json.dumps(record, indent=1))
+        except OSError as err:  # the sweep runs; only its resume= would lack the record
+            print(f"warning: {Path(folder) / SWEEP_RECORD}: {err.strerror or err}", file=sys.stderr, flush=True)
         from runner.record.run_record import tensorboard_command
 
         print(f"[sweep] {folder}  ({tensorboard_command(Path(folder))})", flush=True)
@@ -83,3 +97,26 @@ class SweepReport(Callback):
                 print(f"  {job.name} ({swept[job]}): {s.get('error', s.get('status'))}", file=sys.stderr)
             sys.stderr.flush()
             raise SystemExit(1)
+
+
+def earlier_attempt(out: Path, overrides: list[str]) -> tuple[str, Any]:
+    """What a sweep job's folder holds from an earlier run of the sweep (`resume=<sweep folder>`): ("kept", value)
+    for a completed job, ("resume", None) for one with checkpoints (it continues from the newest), ("run", None)
+    for one never started or stopped before its first checkpoint. A folder a fresh sweep claims is empty: "run".
+
+    Raises RunnerError where the folder's job had other overrides (the sweep was continued with other values)."""
+    from runner.errors import RunnerError
+
+    status = out / JOB_STATUS
+    try:
+        earlier = json.loads(status.read_text()) if status.is_file() else None
+    except (OSError, ValueError):
+        earlier = None  # a status cut short by the kill: the job did not finish
+    if earlier is not None and earlier.get("overrides") is not None and list(earlier["overrides"]) != overrides:
+        raise RunnerError(f"{out} holds the job {' '.join(earlier['overrides'])}, not {' '.join(overrides)}: the "
+                          f"sweep continued is not the sweep that ran there")
+    if earlier is not None and earlier.get("status") == "completed":
+        return "kept", earlier.get("value")
+    if (out / "config.yaml").is_file() and any((out / "checkpoints").glob("ckpt-*.index")):
+        return "resume", None
+    return "run", None

@@ -28,6 +28,24 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
     sweep = hc.mode == RunMode.MULTIRUN
     status = {"overrides": list(hc.overrides.task)}
     _log_files_survive_a_full_disk()
+    if sweep:  # `resume=<sweep folder>`: what this job's folder holds from the sweep's earlier run
+        from runner.callbacks import earlier_attempt
+
+        try:
+            attempt, value = earlier_attempt(out, status["overrides"])
+        except RunnerError as err:  # its status.json is the other job's: left as it is
+            report(err)
+            return _failed_value()
+        if attempt == "kept":
+            log.info(f"sweep job {out.name}: completed in the sweep's earlier run; kept")
+            return float("nan") if value is None else value
+        if attempt == "resume":
+            from omegaconf import open_dict, read_write
+
+            with read_write(cfg), open_dict(cfg):
+                cfg.resume = str(out)
+            log.info(f"sweep job {out.name}: interrupted in the sweep's earlier run; continues from its newest "
+                     f"checkpoint")
     from runner.platform import isolate
 
     if sweep and isolate.available():

@@ -92,6 +92,42 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
 GROUPS = ("model", "data", "optimizer")
 
 
+SWEEP_RECORD = "sweep.json"  # a sweep folder's own command line (runner.callbacks writes it), for resume=<sweep>
+RESUMING = "SECTIONFLOW_RESUME_SWEEP"  # set by resume=<sweep folder>: the folder the sweep continues in
+
+
+def sweep_arguments(folder: Path, value, extra: list[str]) -> list[str]:
+    """`resume=<sweep folder>`: the sweep's own command line again (its `sweep.json`), into that folder, where
+    each job keeps what it finished, resumes from its checkpoints, or runs (`runner.callbacks.earlier_attempt`).
+    `extra`: only Hydra's own settings may be added (`hydra.launcher.n_jobs=4`); anything else would change the
+    jobs. Sets RESUMING for the sweep's callbacks."""
+    import json
+    import os
+
+    try:
+        if (folder / SWEEP_RECORD).is_file():
+            record = json.loads((folder / SWEEP_RECORD).read_text())
+        else:  # a sweep from before sweep.json: the basic sweeper's multirun.yaml holds the same overrides
+            saved = OmegaConf.load(folder / "multirun.yaml").hydra
+            record = {"task": list(saved.overrides.task), "hydra": list(saved.overrides.hydra),
+                      "sweeper": OmegaConf.select(saved, "sweeper._target_")}
+        task, hydra = list(record["task"]), list(record["hydra"])
+    except Exception as err:  # noqa: BLE001 - unreadable JSON or YAML, a key missing: one line
+        raise ConfigError("resume", value, f"its {SWEEP_RECORD} (or multirun.yaml) cannot be read "
+                          f"({type(err).__name__}); not a sweep folder this runner wrote") from None
+    if "optuna" in str(record.get("sweeper") or "").lower():
+        raise ConfigError("resume", value, "an Optuna sweep cannot be continued yet (its sampler would draw other "
+                          "trials for the jobs); start a new sweep")
+    changing = [a for a in extra if not a.lstrip("+~").startswith("hydra")]
+    if changing:
+        raise ConfigError("resume", value, f"continues the sweep as it was launched: {' '.join(changing)} would "
+                          f"change its jobs (only Hydra's settings may be added, e.g. hydra.launcher.n_jobs=4)")
+    quoted = str(folder).replace("\\", "\\\\").replace("'", "\\'")
+    hydra = [o for o in hydra if not o.startswith("hydra.sweep.dir=")] + [f"hydra.sweep.dir='{quoted}'"]
+    os.environ[RESUMING] = str(folder.resolve())
+    return ["-m", *task, *hydra, *extra]
+
+
 def resume_arguments(args: list[str]) -> list[str]:
     """With `resume=<folder>`, check each `model.x=`, `data.x=`, `optimizer.x=` against the run's own config (not
     today's default options) and pass it as `++key=value`, so that Hydra, composing the default options, takes it.
@@ -99,6 +135,11 @@ def resume_arguments(args: list[str]) -> list[str]:
     An SGD run's `optimizer.momentum=0.5` is then a change the resume rules judge; a key that run does not have is
     refused in one line listing the keys it has."""
     given = [a for a in args if a.startswith("resume=") and a.split("=", 1)[1] not in ("", "null")]
+    if given and any((Path(given[-1].split("=", 1)[1]).expanduser() / name).is_file()
+                     for name in (SWEEP_RECORD, "multirun.yaml")):
+        sweep = given[-1].split("=", 1)[1]
+        return sweep_arguments(Path(sweep).expanduser(), sweep,
+                               [a for a in args if not a.startswith("resume=") and a not in ("-m", "--multirun")])
     if not given or any(a in ("-m", "--multirun") for a in args):
         return args
     value = given[-1].split("=", 1)[1]
