@@ -19,10 +19,11 @@ from runner.run.batch_max import Trial, largest_batch, recorded
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HYDRA_FULL_ERROR": ""}
-# A 4-block resnet on 300 small synthetic images: trials at 32, 256 and 300 (the training set) take seconds.
-TINY = ["model=resnet", "model.widths=[4,4,4]", "model.depths=[1,1,1]", "model.default_sections=[scale1,final_pool]",
-        "data=synthetic", "data.image_shape=[8,8,1]", "data.train_size=300", "data.test_size=64", "batch=max", "train.steps=2", "train.eval_every=1", "train.checkpoint_every=1",
-        "train.log_every=1", "train.progress=log", "train.verify_exact=false", "train.save_model=false"]
+# A 2-section MLP on 300 tiny synthetic images: a trial is its engine's tracing and two steps (seconds); the
+# training set caps the search at 300.
+TINY = ["model=mlp", "model.hidden=[8]", "model.default_sections=[logits]", "data=synthetic",
+        "data.image_shape=[4,4,1]", "data.train_size=300", "data.test_size=64", "batch=max", "train.steps=2",
+        "train.eval_every=1", "train.checkpoint_every=1", "train.log_every=1", "train.progress=log", "train.verify_exact=false", "train.save_model=false"]
 
 
 def worker(moment: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -189,8 +190,8 @@ def test_a_killed_search_is_continued_by_resume_and_says_what_it_does(tmp_path):
     first, second = [t["batch"] for t in recorded_trials(out)]
     assert first == 32 and second > 32
     said = [line.split("] ", 1)[1] for line in (killed.stdout + killed.stderr).splitlines() if "batch=max:" in line]
-    assert said[0].startswith("batch=max: searching the largest batch whose step fits: model resnet, engine Engine, "
-                              "sections=['scale1', 'final_pool']; budget ")
+    assert said[0].startswith("batch=max: searching the largest batch whose step fits: model mlp, engine Engine, "
+                              "sections=['logits']; budget ")
     assert "(the device's memory, CPU:0: " in said[0]
     assert "batch=max: at most the training set's size, 300 examples" in said[2]
     assert said[3] == "batch=max: trial 1: batch 32" and said[4].startswith("batch=max: trial 1: batch 32 fits in ")
@@ -201,7 +202,8 @@ def test_a_killed_search_is_continued_by_resume_and_says_what_it_does(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     log = resumed.stdout + resumed.stderr
     assert "taking over the lock of PID" in log
-    assert f"batch=max: resume: continuing the stopped search from its 2 recorded trial(s): 32 fits, {second} fits" in log
+    assert (f"batch=max: resume: continuing the stopped search from its 2 recorded trial(s): 32 fits, {second} "
+            f"fits") in log
     assert "trial 1: batch" not in log and "batch=max: trial 3: batch " in log
     metrics = json.loads((out / "metrics.json").read_text())
     trials = metrics["batch_max_trials"]
