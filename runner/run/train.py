@@ -169,8 +169,10 @@ def what_would_fit(engine: TrainerProtocol) -> str:
     """The advice an out-of-memory stop gives: the planner where it did not choose, else a smaller batch."""
     if engine.plan is None:
         return ("would fit: sections=auto (plans the sections to the device's memory) or batch=max (the largest "
-                "batch whose plan fits)")
-    return f"the planner's smallest plan did not fit at this batch: batch=max finds the largest that does"
+                "batch whose plan fits), or train.micro_batch=max (keeps this batch: gradients summed over "
+                "micro-batches that fit)")
+    return (f"the planner's smallest plan did not fit at this batch: batch=max finds the largest that does, "
+            f"train.micro_batch=max keeps this batch in micro-batches that fit")
 
 
 def _saved(step: int) -> str:
