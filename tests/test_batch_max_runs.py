@@ -23,7 +23,8 @@ ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HYDRA_FULL_ERROR": ""}
 # training set caps the search at 300.
 TINY = ["model=mlp", "model.hidden=[8]", "model.default_sections=[logits]", "data=synthetic",
         "data.image_shape=[4,4,1]", "data.train_size=300", "data.test_size=64", "batch=max", "train.steps=2",
-        "train.eval_every=1", "train.checkpoint_every=1", "train.log_every=1", "train.progress=log", "train.verify_exact=false", "train.save_model=false"]
+        "train.eval_every=1", "train.checkpoint_every=1", "train.log_every=1", "train.progress=log",
+        "train.verify_exact=false", "train.save_model=false"]
 
 
 def worker(moment: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
