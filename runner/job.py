@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.callbacks import JOB_STATUS
+from runner.hydra_callbacks import JOB_STATUS
 from runner.errors import Interrupted, RunnerError, full_errors, report
 from runner.platform import stops
 from runner.platform.stops import Terminated  # noqa: F401  (its home before runner.platform.stops)
@@ -29,7 +29,7 @@ def guarded(job: Callable[[DictConfig, Path], float], cfg: DictConfig) -> float:
     status = {"overrides": list(hc.overrides.task)}
     _log_files_survive_a_full_disk()
     if sweep:  # `resume=<sweep folder>`: what this job's folder holds from the sweep's earlier run
-        from runner.callbacks import earlier_attempt
+        from runner.hydra_callbacks import earlier_attempt
 
         try:
             attempt, value = earlier_attempt(out, status["overrides"])

@@ -30,7 +30,7 @@ LAYERS = {
         ("record", ["runner/record"]),
         ("run", ["runner/run"]),
         ("front door", ["runner/__init__.py", "runner/__main__.py", "runner/app.py", "runner/help.py",
-                        "runner/job.py", "runner/callbacks.py", "runner/report.py"]),
+                        "runner/job.py", "runner/hydra_callbacks.py", "runner/report.py"]),
     ],
 }
 #: What of the engine the other packages may import: its public names, its rules, its allocator setting, the names

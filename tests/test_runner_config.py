@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from runner.app import CONF
-from runner.callbacks import claim_folder
+from runner.hydra_callbacks import claim_folder
 from runner.config.schema import register
 
 ROOT = Path(__file__).resolve().parents[1]

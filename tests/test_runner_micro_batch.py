@@ -139,7 +139,7 @@ def test_micro_batch_max_keeps_a_batch_whose_step_does_not_fit_the_device(tmp_pa
             "data.train_size=8192", "data.test_size=64", "train=smoke", "train.steps=3", "train.eval_every=0",
             "batch=8192", "sections=auto",
             "train.micro_batch=max", "train.verify_exact=false", "train.save_model=false"]
-    out = tmp_path / "run"  # a folder that exists already gets a suffix (runner.callbacks.claim_folder)
+    out = tmp_path / "run"  # a folder that exists already gets a suffix (runner.hydra_callbacks.claim_folder)
     args.append(f"hydra.run.dir={out}")
     proc = subprocess.run([sys.executable, "-m", "runner", *args], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=900)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from runner.callbacks import JOB_STATUS, UniqueOutputDir, earlier_attempt
+from runner.hydra_callbacks import JOB_STATUS, UniqueOutputDir, earlier_attempt
 from runner.config.resume import RESUMING, SWEEP_RECORD, resume_arguments
 from runner.errors import ConfigError, RunnerError
 

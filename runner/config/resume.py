@@ -92,13 +92,13 @@ def resumed_config(cfg: DictConfig, task_overrides: list[str]) -> tuple[DictConf
 GROUPS = ("model", "data", "optimizer")
 
 
-SWEEP_RECORD = "sweep.json"  # a sweep folder's own command line (runner.callbacks writes it), for resume=<sweep>
+SWEEP_RECORD = "sweep.json"  # a sweep folder's own command line (runner.hydra_callbacks writes it), for resume=<sweep>
 RESUMING = "SECTIONFLOW_RESUME_SWEEP"  # set by resume=<sweep folder>: the folder the sweep continues in
 
 
 def sweep_arguments(folder: Path, value, extra: list[str]) -> list[str]:
     """`resume=<sweep folder>`: the sweep's own command line again (its `sweep.json`), into that folder, where
-    each job keeps what it finished, resumes from its checkpoints, or runs (`runner.callbacks.earlier_attempt`).
+    each job keeps what it finished, resumes from its checkpoints, or runs (`runner.hydra_callbacks.earlier_attempt`).
     `extra`: only Hydra's own settings may be added (`hydra.launcher.n_jobs=4`); anything else would change the
     jobs. Sets RESUMING for the sweep's callbacks."""
     import json
