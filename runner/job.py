@@ -60,7 +60,7 @@ def _guarded(job, cfg: DictConfig, out: Path, sweep: bool, status: dict) -> floa
             value = job(cfg, out)
     except (KeyboardInterrupt, Terminated) as signalled:  # before the training loop handles them (or a second one)
         name, code = ("SIGTERM", 143) if isinstance(signalled, Terminated) else ("Ctrl-C", 130)
-        err = Interrupted(f"{name}: {_kept(out)}", exit_code=code)
+        err = Interrupted(f"{name}: {_kept(Path(str(cfg.resume)) if cfg.get('resume') else out)}", exit_code=code)
         report(err)
         _write(out, sweep, status | {"status": "interrupted", "error": str(err)})
         sys.exit(code)
