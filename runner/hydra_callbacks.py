@@ -101,7 +101,8 @@ class SweepReport(Callback):
 
 def earlier_attempt(out: Path, overrides: list[str]) -> tuple[str, Any]:
     """What a sweep job's folder holds from an earlier run of the sweep (`resume=<sweep folder>`): ("kept", value)
-    for a completed job, ("resume", None) for one with checkpoints (it continues from the newest), ("run", None)
+    for a completed job, ("resume", None) for one with checkpoints (it continues from the newest) or a stopped
+    `batch=max` search (it continues from its trials), ("run", None)
     for one never started or stopped before its first checkpoint. A folder a fresh sweep claims is empty: "run".
 
     Raises RunnerError where the folder's job had other overrides (the sweep was continued with other values)."""
@@ -118,5 +119,9 @@ def earlier_attempt(out: Path, overrides: list[str]) -> tuple[str, Any]:
     if earlier is not None and earlier.get("status") == "completed":
         return "kept", earlier.get("value")
     if (out / "config.yaml").is_file() and any((out / "checkpoints").glob("ckpt-*.index")):
+        return "resume", None
+    from runner.config.resume import stopped_search
+
+    if stopped_search(out):  # a batch=max search killed before the first checkpoint: it continues from its trials
         return "resume", None
     return "run", None

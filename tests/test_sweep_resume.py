@@ -48,6 +48,9 @@ def test_a_jobs_folder_says_whether_it_is_kept_resumed_or_run(tmp_path):
     killed = job(tmp_path / "2", {"overrides": mine, "status": "failed", "error": "killed by SIGKILL"}, True)
     assert earlier_attempt(killed, mine) == ("resume", None)
     assert earlier_attempt(job(tmp_path / "3"), mine) == ("run", None)  # killed before its first checkpoint
+    searching = job(tmp_path / "5")
+    (searching / "config.yaml").write_text("batch: max\n")  # a batch=max search killed before any checkpoint
+    assert earlier_attempt(searching, mine) == ("resume", None)
     (tmp_path / "4").mkdir()
     (tmp_path / "4" / JOB_STATUS).write_text('{"overrides": ["optimizer.learning_r')  # cut short by the kill
     assert earlier_attempt(tmp_path / "4", mine) == ("run", None)
