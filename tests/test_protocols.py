@@ -298,3 +298,17 @@ def test_a_csv_of_image_paths_is_one_reader_of_about_fifty_lines(tmp_path):
     assert [int(y) for b in source.eval_batches(5) for y in b["label"]] == [0, 1]
     assert set(source.fingerprint()["files"]["train"]) == {str(tmp_path / f"{i}.png") for i in range(2, 6)}
     assert source.describe().startswith("csv_images: 4 train / 2 test, images [4, 4, 3], 3 classes")
+
+
+def test_a_planned_engine_reports_its_plan_and_floor_as_declared():
+    """`sections="auto"` (about 4 s on CPU): the plan, the floor and the planning time the runner reads."""
+    import keras
+
+    import sections
+    from sections.telemetry import FloorReport, PlanReport, TrainerProtocol
+
+    engine = sections.Engine(_network(), keras.optimizers.SGD(0.1), sections="auto", memory_budget="64MiB")
+    engine.train_step(_batch())
+    assert isinstance(engine, TrainerProtocol) and isinstance(engine.plan, PlanReport)
+    assert isinstance(engine.memory_floor, FloorReport) and engine.planning_seconds > 0
+    assert engine.memory_budget == 64 * 2**20 and engine.budget_source
