@@ -40,6 +40,8 @@ def run_in_process(out: Path, *overrides: str) -> dict:
     from runner.app import run
 
     cfg = composed(*overrides, hydra=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(out)  # what Hydra sets when it runs a job
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):
         del cfg.hydra
