@@ -3,6 +3,7 @@ TensorFlow loads). `python tests/device_worker.py CASE` prints one JSON line.
 
 - `recover`: `sections="auto"` trains 5 steps twice from the same start, the second time with an allocation far
   past the device injected into the third step's forward; prints both runs' losses and the re-plans.
+- `restore`: a fitting dry step, two that run out of memory, the fitting one again (bytes in use between).
 - `fit`: a Keras model under plain `fit` and wrapped in `SectionedModel(model, sections="auto")`, one epoch
   each; prints how each ended and the wrapped run's step peaks.
 """
@@ -110,5 +111,29 @@ def fit(batch=256) -> dict:
     return out
 
 
+def restore(batch=64, big=1024) -> dict:
+    """A fitting dry step, dry steps of a batch the device has no memory for, the fitting one again: bytes in use
+    before and after each, and the two fitting peaks."""
+    x, y = data(big, size=32)
+    xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    network = sections.from_keras(conv_model(size=32), loss=lambda out, b: xent(b["label"], out), inputs="image",
+                                  loss_fields=["label"])
+    engine = sections.Engine(network, keras.optimizers.Adam(1e-3), sections=3)
+    small = {"image": tf.constant(x[:batch]), "label": tf.constant(y[:batch])}
+    large = {"image": tf.constant(x), "label": tf.constant(y)}
+    engine.build(small)
+
+    def in_use():
+        return int(tf.config.experimental.get_memory_info("CPU:0")["current"])
+
+    out = {"before": in_use(), "first": engine.dry_step(small).peak}
+    out["after_first"] = in_use()
+    out["ran_out"] = [engine.dry_step(large).ran_out for _ in range(2)]
+    out["after_out"] = in_use()
+    out["again"] = engine.dry_step(small).peak
+    out["after_again"] = in_use()
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps({"recover": recover, "fit": fit}[sys.argv[1]]()))
+    print(json.dumps({"recover": recover, "fit": fit, "restore": restore}[sys.argv[1]]()))

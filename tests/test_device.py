@@ -360,3 +360,18 @@ def test_a_numpy_integer_is_a_number_of_sections():
 
     assert rules.as_sections(np.int64(2)) == 2 and type(rules.as_sections(np.int64(2))) is int
     assert rules.as_sections(("a", "b")) == ["a", "b"] and rules.as_sections(True) is True
+
+
+@pytest.mark.slow  # 2-3 min (each dry step that runs out waits out the allocator's retries); the fast set keeps
+# test_a_dry_step_changes_no_variable_and_no_counter (state restored) and the pure search's out-of-memory case
+def test_a_dry_step_that_runs_out_of_memory_leaves_the_device_as_it_found_it():
+    """A fitting dry step, two that run out of the emulated device's memory, the fitting one again: bytes in use
+    return to what they were (within 1 MiB) and the fitting plan measures the same peak (within its noise)."""
+    from sections.step.executor import DRY_NOISE
+
+    proc = on_device(200, "tests/device_worker.py", "restore")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ran_out"] == [True, True], out
+    assert abs(out["after_out"] - out["after_first"]) <= 2**20, out
+    assert abs(out["again"] - out["first"]) <= DRY_NOISE * out["first"], out

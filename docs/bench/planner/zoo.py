@@ -1,0 +1,151 @@
+"""The planner on a zoo of models, each on emulated devices of a fraction of whole-graph training's peak.
+
+    .venv/bin/python docs/bench/planner/zoo.py                      # the default zoo, devices 0.6 and 0.4
+    .venv/bin/python docs/bench/planner/zoo.py --models resnet mobilenetv2 --fractions 0.6 --steps 3
+
+Per model: whole-graph training's peak at the batch with no limit (one process), then per fraction a process
+under ``TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=<fraction x whole's peak>`` (oneDNN off, as the
+runner sets under a limit) running ``sections="auto"`` with no budget: planning seconds, dry steps (and how many
+ran out of memory), each dry step's predicted against measured peak, the plan, its training steps' peaks and
+median step time against whole's unlimited step. ``--processes 3`` runs the sectioned process three times and
+says whether the partitions agree. Nothing is asserted: the table is printed (BENCHMARKS.md keeps it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+ZOO = {  # name: (builder, args, batch, input shape)
+    "resnet": ("resnet", {}, 512, (28, 28, 1)),
+    "mobilenetv2": ("keras_app", {"name": "MobileNetV2"}, 64, (96, 96, 3)),
+    "efficientnetb0": ("keras_app", {"name": "EfficientNetB0"}, 32, (96, 96, 3)),
+    "inceptionv3": ("keras_app", {"name": "InceptionV3"}, 32, (96, 96, 3)),
+    "resnet50": ("keras_app", {"name": "ResNet50"}, 32, (64, 64, 3)),
+    "resnet50v2": ("keras_app", {"name": "ResNet50V2"}, 64, (64, 64, 3)),
+    "vgg16": ("keras_app", {"name": "VGG16"}, 32, (64, 64, 3)),
+    "gpt2": ("keras_hub", {"name": "GPT2Backbone", "args": {"num_layers": 4, "num_heads": 4, "hidden_dim": 128,
+                                                             "intermediate_dim": 512}}, 4, (1024,)),
+}
+
+
+def worker(model: str, engine_kind: str, steps: int) -> dict:
+    """One process: build the model, train ``steps`` steps with the chosen engine, return the figures."""
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from sections.allocator import configure
+
+    configure()
+    import keras
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from sections import Engine, WholeGraph
+
+    kind, args, batch_size, shape = ZOO[model]
+    keras.utils.set_random_seed(0)
+    if kind == "resnet":
+        from models.resnet import build_resnet
+
+        net = build_resnet(num_classes=10)
+    elif kind == "keras_app":
+        from models.keras_app import build_keras_app
+
+        net = build_keras_app(args["name"], num_classes=10, input_shape=list(shape))
+    else:
+        from models.keras_hub import build_keras_hub
+
+        net = build_keras_hub(args["name"], args=args["args"], vocab_size=256, seq_len=shape[0])
+    if kind == "keras_hub":
+        tokens = tf.random.uniform((batch_size, shape[0] + 1), 0, 256, dtype=tf.int32)
+        batch = {"tokens": tokens}
+        batch = {k: v for k, v in batch.items()}
+    else:
+        batch = {"image": tf.random.uniform((batch_size, *shape)), "label": tf.range(batch_size) % 10}
+    opt = keras.optimizers.Adam(1e-3)
+    engine = WholeGraph(net, opt) if engine_kind == "whole" else Engine(net, opt, sections="auto")
+    began = time.perf_counter()
+    out = {"model": model, "batch": batch_size, "engine": engine_kind}
+    try:
+        engine.build(batch)
+    except Exception as err:  # a refusal: its one line
+        out.update(refused=str(err)[:400], build_seconds=time.perf_counter() - began)
+        return out
+    out["build_seconds"] = time.perf_counter() - began
+    if engine_kind != "whole":
+        plan = engine.plan
+        out.update(sections=plan.schedule.num_sections, starts=list(plan.schedule.starts),
+                   policies=plan.policies, forward_runs=list(plan.forward_runs),
+                   predicted=plan.predicted_peak, dry_runs=engine.dry_runs,
+                   planning_seconds=engine.planning_seconds)
+    peaks, seconds = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        stats = engine.train_step(batch)
+        seconds.append(time.perf_counter() - t0)
+        peaks.append(stats["step_peak_bytes"])
+    out.update(step_peaks=peaks, step_seconds=seconds)
+    return out
+
+
+def run(model: str, engine_kind: str, steps: int, limit_mib: int | None) -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    if limit_mib is not None:
+        env.update(TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPU_BFC_MEM_LIMIT_IN_MB=str(limit_mib))
+    proc = subprocess.run([sys.executable, __file__, "--worker", model, engine_kind, str(steps)], env=env,
+                          capture_output=True, text=True)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if not lines:
+        return {"model": model, "engine": engine_kind, "crashed": proc.returncode, "tail": proc.stderr[-800:]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="*", default=["resnet", "mobilenetv2", "resnet50v2"])
+    parser.add_argument("--fractions", nargs="*", type=float, default=[0.6, 0.4])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--processes", type=int, default=1)
+    args = parser.parse_args()
+    mib = 2**20
+    for model in args.models:
+        whole = run(model, "whole", args.steps, None)
+        if "step_peaks" not in whole:
+            print(f"{model}: whole-graph training failed: {whole}")
+            continue
+        peak = max(whole["step_peaks"])
+        step = statistics.median(whole["step_seconds"][1:] or whole["step_seconds"])
+        print(f"\n{model} batch {whole['batch']}: whole's peak {peak / mib:.1f} MiB, step {step:.2f} s (no limit)")
+        for fraction in args.fractions:
+            limit = int(fraction * peak / mib)
+            runs = [run(model, "auto", args.steps, limit) for _ in range(args.processes)]
+            for r in runs:
+                if "refused" in r or "crashed" in r:
+                    print(f"  {fraction:.1f} ({limit} MiB): {r.get('refused') or r}")
+                    continue
+                dry = r["dry_runs"]
+                pairs = ", ".join(f"{d['predicted'] / mib:.1f}->{d['measured'] / mib:.1f}"
+                                  + (" OOM" if d["ran_out"] else "") for d in dry)
+                t = statistics.median(r["step_seconds"][1:] or r["step_seconds"])
+                print(f"  {fraction:.1f} ({limit} MiB): {r['sections']} sections, forward runs {r['forward_runs']}, "
+                      f"planning {r['planning_seconds']:.1f} s, {len(dry)} dry steps "
+                      f"({sum(d['ran_out'] for d in dry)} out of memory) predicted->measured MiB [{pairs}], "
+                      f"steps {[round(p / mib, 1) for p in r['step_peaks']]} MiB, step {t:.2f} s "
+                      f"({t / step:.2f}x whole's)")
+            if len(runs) > 1:
+                same = len({json.dumps([r.get("starts"), r.get("policies")]) for r in runs}) == 1
+                print(f"  {fraction:.1f}: {len(runs)} processes chose {'the same plan' if same else 'different plans'}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        print(json.dumps(worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+    else:
+        main()
