@@ -188,3 +188,21 @@ def test_without_batch_statistics_the_check_also_matches_one_whole_step():
     report = sections.compare_with_whole(engine, data, examples=32)
     assert report["exact"] and report["micro_batches"] == 4
     assert report["one_step_rel_error"] < 1e-5, report
+
+
+@pytest.mark.slow  # 3-9 s; the fast set checks the sum's shares with SGD
+def test_loss_scaled_micro_batches_apply_the_unscaled_sum_once():
+    """Under a LossScaleOptimizer (mixed_float16's) each micro-batch's gradients are of the scaled loss; their sum
+    is unscaled once, by the optimizer's apply: the update equals a plain loop's with the inner optimizer."""
+    data = batches(1)
+    start = initial_weights()
+    reference = make_layers()
+    plain_loop(reference, data, keras.optimizers.SGD(0.5))
+    layers = make_layers()
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=1024.0)
+    trained = MicroBatched(Engine(network(layers), opt, sections=2), micro_batch=8)
+    trained.train_step(data[0])
+    distance = relative_update_distance(weights(layers), weights(reference), start)
+    assert distance < 1e-5, distance
+    _, grads = trained.gradients(data[0])  # unscaled, as Trainer.gradients
+    assert max(float(tf.reduce_max(tf.abs(g))) for g in grads if g is not None) < 100

@@ -114,6 +114,7 @@ def test_a_micro_batched_run_says_so_and_checks_a_micro_batched_step(tmp_path, c
     assert OmegaConf.load(tmp_path / "config.yaml").train.micro_batch == 3
 
 
+@pytest.mark.slow  # three runs (8-25 s); resume itself is tested fast in test_runner*.py
 def test_a_resumed_micro_batched_run_equals_an_uninterrupted_one(tmp_path):
     run = [*SMALL, "train.steps=4", "train.checkpoint_every=2", "train.eval_every=0", "train.micro_batch=3",
            "train.verify_exact=false", "train.save_model=false"]
