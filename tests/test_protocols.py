@@ -137,8 +137,8 @@ def _signature_mismatches(obj, protocol) -> list[str]:
 
 
 def _sources(tmp_path: Path) -> dict:
-    """One instance of every bundled source (mnist is an ImageSource as digits is; tfds an ImagePipeline as
-    tfrecord is, checked in tests/test_tfds_source.py's data sets), and docs/examples' stripes."""
+    """One instance of every bundled source (mnist, which downloads, is an ImageSource as digits is), and
+    docs/examples' stripes."""
     import sys
 
     import tensorflow as tf
@@ -166,7 +166,16 @@ def _sources(tmp_path: Path) -> dict:
     finally:
         sys.path.remove(str(ROOT / "docs" / "examples"))
     shards = str(tmp_path / "s.tfrecord")
-    return {"digits": data.digits(), "synthetic": data.synthetic(train_size=8, test_size=4),
+    import tensorflow_datasets as tfds
+
+    tfds.dataset_builders.store_as_tfds_dataset(
+        name="tiny_protocol", version="1.0.0", data_dir=str(tmp_path / "tfds"),
+        features=tfds.features.FeaturesDict({"image": tfds.features.Image(shape=(4, 4, 3)),
+                                             "label": tfds.features.ClassLabel(names=["a", "b"])}),
+        split_datasets={split: tf.data.Dataset.from_tensor_slices({"image": np.zeros((4, 4, 4, 3), np.uint8),
+                                                                   "label": np.arange(4) % 2})
+                        for split in ("train", "test")})
+    return {"tfds": data.tfds("tiny_protocol", data_dir=str(tmp_path / "tfds")),"digits": data.digits(), "synthetic": data.synthetic(train_size=8, test_size=4),
             "sequences": data.sequences(), "text": TextSource("text", "abcdefgh" * 40, seq_len=8),
             "tokens": data.tokens(str(tmp_path / "tokens.npy"), test_fraction=0.2),
             "image_folder": data.image_folder(str(folder), validation_split=0.5),
@@ -176,11 +185,14 @@ def _sources(tmp_path: Path) -> dict:
 
 
 def test_every_data_source_satisfies_the_protocol(tmp_path):
-    from models.data import DataSource, missing_members
+    from models.data import DataSource, Decoder, ImagePipeline, Reader, missing_members
 
     for name, source in _sources(tmp_path).items():
         assert isinstance(source, DataSource), f"{name} lacks {missing_members(source)}"
         assert not _signature_mismatches(source, DataSource), (name, _signature_mismatches(source, DataSource))
+        if isinstance(source, ImagePipeline):  # composed: its parts satisfy theirs
+            assert isinstance(source.reader, Reader) and isinstance(source.decoder, Decoder), name
+            assert not _signature_mismatches(source.reader, Reader) + _signature_mismatches(source.decoder, Decoder)
         assert source.metric_direction in ("maximize", "minimize") and isinstance(source.model_args, dict), name
         batch = next(iter(source.train_batches(2, 0, shard=None)))
         assert isinstance(batch, dict), name

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import tensorflow as tf
@@ -235,6 +235,7 @@ class Pixels:
         return [n if s is None else f"{n}:{s:g}" for n, s in self.augment]
 
 
+@runtime_checkable
 class Reader(Protocol):
     """Where the examples of a streamed source come from: *keys* (a file path and its label, a serialized record,
     an array row), which a ``Decoder`` turns into images. ``unit``: what a key is, in words (``file``, ``record``)."""
@@ -256,6 +257,7 @@ class Reader(Protocol):
         """After a failure that names no file: which file or record fails ``decoder.decodes``, as one line."""
 
 
+@runtime_checkable
 class Decoder(Protocol):
     """A key as the stored image ``[h, w, c]`` (any numeric dtype; the size checked or resized) and its label
     (``Labels.checked``), in graph code that runs in parallel."""

@@ -36,8 +36,8 @@ class FeatureDecoder:
         return same_size(example[spec["image_key"]], self.shape, self.resize, f"data.name={self.name!r}: an image"), \
             label
 
-    def decodes(self, record):
-        return tf.size(self.features.deserialize_example(record)[self.spec["image_key"]])
+    def decodes(self, key):
+        return tf.size(self.features.deserialize_example(key)[self.spec["image_key"]])
 
 
 def tfds(name: str | None = None, data_dir: str | None = None, train_split: str = "train",

@@ -171,10 +171,10 @@ class ExampleDecoder:
         image = tf.io.decode_image(data, channels=self.shape[2], expand_animations=False)
         return same_size(image, self.shape, self.resize, f"data.image_key={spec['image_key']!r}: a record's image"), label
 
-    def decodes(self, record):
+    def decodes(self, key):
         """A tensor that exists only once the record's image decodes (what ``skip_corrupt`` checks)."""
         spec = self.spec
-        data = tf.io.parse_single_example(record, {spec["image_key"]: tf.io.FixedLenFeature([], tf.string)})
+        data = tf.io.parse_single_example(key, {spec["image_key"]: tf.io.FixedLenFeature([], tf.string)})
         data = data[spec["image_key"]]
         if spec["format"] == "raw":
             return tf.size(tf.io.decode_raw(data, spec["dtype"]))
