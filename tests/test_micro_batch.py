@@ -206,3 +206,32 @@ def test_loss_scaled_micro_batches_apply_the_unscaled_sum_once():
     assert distance < 1e-5, distance
     _, grads = trained.gradients(data[0])  # unscaled, as Trainer.gradients
     assert max(float(tf.reduce_max(tf.abs(g))) for g in grads if g is not None) < 100
+
+
+class MeanTokens(keras.layers.Layer):
+    def call(self, x, training=None):
+        return tf.reduce_mean(x, axis=1)
+
+
+def test_sparse_gradients_of_an_embedding_are_summed_sparse_and_applied_once():
+    """An embedding's gradient is sparse (IndexedSlices): the micro-batches' slices, scaled by their shares, are
+    joined (as one step over the batch gives them) and applied once."""
+    def layers():
+        return [keras.layers.Embedding(20, 6, embeddings_initializer=keras.initializers.RandomNormal(seed=1)),
+                MeanTokens(), keras.layers.Dense(3, kernel_initializer=keras.initializers.GlorotUniform(2))]
+
+    rng = np.random.default_rng(0)
+    data = [{"x": tf.constant(rng.integers(0, 20, size=(BATCH, 4)).astype("int32")),
+             "y": tf.constant(rng.integers(0, 3, size=BATCH).astype("int64"))}]
+    reference, ours, fresh = layers(), layers(), layers()
+    h = data[0]["x"]
+    for layer in fresh:  # the initial weights
+        h = layer(h)
+    start = weights(fresh)
+    plain_loop(reference, data, keras.optimizers.SGD(0.5))
+    trained = MicroBatched(Engine(network(ours), keras.optimizers.SGD(0.5), sections=2), micro_batch=10)
+    trained.train_step(data[0])
+    _, grads = trained.gradients(data[0])
+    assert isinstance(grads[0], tf.IndexedSlices)
+    distance = relative_update_distance(weights(ours), weights(reference), start)
+    assert distance < 1e-5, distance

@@ -282,6 +282,7 @@ class MicroBatched:
         key = ("apply", idx)
         if key not in self._fns:
             variables = self.trainer.network.trainable_variables
+            flags = [present[i] is not None for i in idx]  # which of them are sparse sums (passed in)
 
             def apply(sparse):
                 it = iter(sparse)
@@ -290,7 +291,6 @@ class MicroBatched:
                 with assign_in_place(self.trainer.optimizer):
                     self.trainer.optimizer.apply_gradients(zip(grads, [variables[i] for i in idx]))
 
-            flags = [present[i] is not None for i in idx]
             self._fns[key] = tf.function(apply, reduce_retracing=True)
         self._fns[key](sparse)
 
