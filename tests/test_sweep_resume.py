@@ -154,3 +154,9 @@ def test_a_killed_joblib_sweep_is_continued(tmp_path):
     # two at a time: job 2 may have started when job 0 ended, just before the kill; it runs (or resumes) either way
     killed_then_continued(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", wait_for_job0=True,
                           one_at_a_time=False)
+
+
+@pytest.mark.slow  # ~60 s: submitit's local executor starts the 3 jobs at once, in processes of their own
+def test_a_killed_submitit_sweep_is_continued(tmp_path):
+    killed_then_continued(tmp_path, "hydra/launcher=local", "hydra.launcher.gpus_per_node=0", wait_for_job0=True,
+                          one_at_a_time=False)
