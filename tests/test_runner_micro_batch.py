@@ -76,20 +76,20 @@ def test_good_micro_batches_pass_the_checks(value):
     check_config(composed(*SMALL, f"train.micro_batch={value}"))
 
 
-def _search(batch: int, fits) -> list[int]:
-    """The micro-batches `micro_batch=max` tries where a micro-batch fits when `fits(micro)`."""
+def _search(batch: int, fits, again=None) -> list[int]:
+    """The micro-batches `micro_batch=max` tries where a micro-batch fits when `fits(micro)` (and, checked again
+    after later trials, when `again(micro)`)."""
     from runner.run.batch_max import TOLERANCE
-    from runner.run.micro import _next_count, sizes
+    from runner.run.micro import search, sizes
 
-    tried, best, worst, count = [], None, None, 1
-    while count is not None:
-        tried.append(sizes(batch, count))
-        if fits(tried[-1]):
-            best = count
-        else:
-            worst = count
-        count = _next_count(batch, best, worst, TOLERANCE)
-    return tried
+    def attempt(count):
+        micro = sizes(batch, count)
+        return micro, fits(micro), None, "", micro if fits(micro) else None
+
+    recheck = (lambda micro: (again(micro), None, "")) if again else None
+    best, kept, trials = search(batch, attempt, recheck, TOLERANCE)
+    assert kept == (sizes(batch, best) if best else None)
+    return [m for m, *_ in trials]
 
 
 def test_micro_batch_max_tries_the_whole_batch_then_doubles_the_cuts_then_bisects():
@@ -98,6 +98,15 @@ def test_micro_batch_max_tries_the_whole_batch_then_doubles_the_cuts_then_bisect
     assert _search(7500, lambda m: m <= 1000) == [7500, 3750, 1875, 938, 1250, 1072]
     assert _search(6, lambda m: False) == [6, 3, 2, 1]  # nothing fits: the run stops in one line
     assert _search(100, lambda m: m <= 40) == [100, 50, 25, 34]
+
+
+def test_micro_batch_max_checks_its_best_again_and_searches_below_where_it_no_longer_fits():
+    # 1875 fits and 2500 does not after it: 1875 is stepped once more; where it no longer fits there (the second
+    # 1875), the search goes on below it (938 fits, then bisected up to 1500, the last trial: not checked again)
+    assert _search(7500, lambda m: m <= 2000, again=lambda m: m != 1875) == [7500, 3750, 1875, 2500, 1875, 938,
+                                                                              1250, 1500]
+    assert _search(7500, lambda m: m <= 2000, again=lambda m: True) == [7500, 3750, 1875, 2500]
+
 
 
 def test_a_micro_batched_run_says_so_and_checks_a_micro_batched_step(tmp_path, caplog):

@@ -8,7 +8,8 @@ micro-batches) is tried first, then n doubles (2, 4, 8, ...) until a cut fits, t
 cut that did not fit and the first that did, until the smallest micro-batch that does not fit is within
 `batch_max.TOLERANCE` (10%) above the largest that does. A trial is what a `batch=max` trial is (build.py): the
 engine builds at that micro-batch (with `sections=auto`, its dry steps find a plan under the budget), else two
-accumulated steps run within the budget, state restored.
+accumulated steps run within the budget, state restored; as there, the best trial of a fixed partition steps once
+more after later trials ran, and where it no longer fits the search goes on below it.
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ def _largest_micro(cfg: DictConfig, data, network, sections, strategy):
     batch = cfg.batch
     budget, source = engine_lib.device_budget(cfg.engine.memory_budget)
     optimizer = new_optimizer(cfg, strategy)  # one optimizer for every trial (build.py `_largest` says why)
-    trials = []  # (micro-batch, fits, peak or None, why)
 
     def attempt(count: int):
         micro = sizes(batch, count)
@@ -75,24 +75,11 @@ def _largest_micro(cfg: DictConfig, data, network, sections, strategy):
         fits, peak, why = _one_step_fits(engine, probe, budget)
         return micro, fits, peak, why, (engine, probe, batches) if fits else None
 
-    # the fitting trial's engine; the fewest micro-batches that fit; the most that do not
-    kept, best, worst = None, None, None
-    count = 1
-    while count is not None:
-        micro, fits, peak, why, engine = attempt(count)
-        trials.append((micro, fits, peak, why))
-        log.info(f"micro_batch=max: micro-batch {micro} ({count} per batch of {batch}) "
-                 f"{'fits' if fits else 'does not fit'}" + (f" ({why})" if why else "")
-                 + (f", peak {human_bytes(peak)}" if peak else ""))
-        if fits:
-            kept = None
-            gc.collect()
-            kept, best = engine, count
-        else:
-            worst = count
-        del engine
-        gc.collect()
-        count = _next_count(batch, best, worst, TOLERANCE)
+    def again(kept):  # a fixed partition's steps, in the memory the later trials left (sections=auto re-plans)
+        engine, probe, _ = kept
+        return (True, None, "") if engine.plan is not None else _one_step_fits(engine, probe, budget)
+
+    best, kept, trials = search(batch, attempt, again, TOLERANCE)
     if best is None:
         raise ConfigError("train.micro_batch", "max", f"not even micro-batches of 1 example fit the device's budget "
                           f"{human_bytes(budget)} ({source}): {_describe(trials)}")
@@ -101,6 +88,47 @@ def _largest_micro(cfg: DictConfig, data, network, sections, strategy):
     log.info(f"micro_batch=max: {micro} ({best} micro-batch{'es' if best > 1 else ''} per batch of {batch}; "
              f"trials: {_describe(trials)}; budget {human_bytes(budget)}, {source})")
     return micro, kept
+
+
+def search(batch: int, attempt, again=None, tolerance: float = 0.1):
+    """Trials `attempt(count) -> (micro-batch, fits, peak or None, why, kept or None)` over `count` micro-batches
+    per batch (the module's docstring says which); returns the fewest micro-batches that fit (None: not even one
+    example each), what that trial kept, and the trials `(micro-batch, fits, peak, why)`. `again(kept) -> (fits,
+    peak, why)`: the best trial checked once more where later trials ran after it (their failures can leave the
+    device with less room, as `batch=max` found); where it no longer fits, the search goes on below it."""
+    trials, kept, best, worst, count = [], None, None, None, 1
+    while True:
+        while count is not None:
+            micro, fits, peak, why, engine = attempt(count)
+            trials.append((micro, fits, peak, why))
+            log.info(f"micro_batch=max: micro-batch {micro} ({count} per batch of {batch}) "
+                     f"{'fits' if fits else 'does not fit'}" + (f" ({why})" if why else "")
+                     + (f", peak {human_bytes(peak)}" if peak else ""))
+            if fits:
+                kept = None  # the larger micro-batch's engine is freed before the smaller one is kept
+                gc.collect()
+                kept, best = engine, count
+            else:
+                worst = count if worst is None else max(worst, count)
+            del engine
+            gc.collect()
+            count = _next_count(batch, best, worst, tolerance)
+        if again is None or kept is None or trials[-1][0] == sizes(batch, best):
+            break  # nothing to check, or the best is the last trial: nothing ran after it
+        fits, peak, why = again(kept)
+        if fits:
+            break
+        why = f"{why or 'it no longer fits'}, checked again after the later trials"
+        trials.append((sizes(batch, best), False, peak, why))
+        log.info(f"micro_batch=max: micro-batch {sizes(batch, best)} does not fit any more ({why}); searching "
+                 f"below it")
+        kept = None
+        gc.collect()
+        best, worst = None, best
+        count = _next_count(batch, best, worst, tolerance)
+        if count is None:
+            break
+    return best, kept, trials
 
 
 def _next_count(batch: int, best: int | None, worst: int | None, tolerance: float) -> int | None:
