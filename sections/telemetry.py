@@ -139,6 +139,7 @@ class TrainerProtocol(Protocol):
     memory_floor: FloorReport | None  # sections="auto", after build
     plan: PlanReport | None  # sections="auto", after build
     planning_seconds: float | None
+    dry_runs: Sequence  # sections="auto": each dry step's {"sections", "predicted", "measured", "ran_out", "fits"}
     memory_measured: bool
     memory_note: str | None  # why memory is not measured (None: it is)
     lean: bool | str | None  # None: a trainer without lean gradients

@@ -320,6 +320,9 @@ def test_sections_auto_without_a_budget_trains_within_the_device(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = metrics(tmp_path / "run")
     assert m["step"] == 3 and m["step_peak_bytes"] <= 350 * 2**20 and m["planning_seconds"] > 0
+    dry = m["planning_dry_steps"]  # at most 3, each with its prediction beside its measurement
+    assert 1 <= len(dry) <= 3 and all({"predicted", "measured", "fits"} <= d.keys() for d in dry), dry
+    assert m["planning_in_steps"] > 0
     # the device's memory less headroom, or below it where a step ran out and was re-planned
     assert m["memory_budget_bytes"] <= int(350 * 2**20 * 0.95)
     assert m["memory_budget_source"].startswith("the device's memory, CPU:0: 350.0 MiB")

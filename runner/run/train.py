@@ -88,6 +88,7 @@ def fit(cfg: DictConfig, setup: Setup, out: Path, changes: dict | None = None, r
                    **({"batch_max_trials": setup.batch_search.records(),
                        "batch_max_seconds": setup.batch_search.seconds} if setup.batch_search else {}),
                    **summarize(history, results, data, cfg.batch, step)}
+        metrics.update(planning_figures(engine, metrics["median_step_seconds"]))
         if datafeed.record(data):
             metrics["data"] = datafeed.record(data)
         if finishing:
@@ -307,6 +308,14 @@ def _evaluate(engine, data, batch_size: int) -> dict:
             totals[key] = totals.get(key, 0.0) + float(value) * size
         count += size
     return {key: total / count for key, total in totals.items()}
+
+
+def planning_figures(engine, median_step: float | None) -> dict:
+    """``sections=auto``: each dry step's predicted and measured peak, and planning's time in steps of training."""
+    if engine.plan is None or engine.planning_seconds is None:
+        return {}
+    steps = engine.planning_seconds / median_step if median_step and median_step == median_step else None
+    return {"planning_dry_steps": list(engine.dry_runs), "planning_in_steps": steps}
 
 
 def summarize(history: list, results: dict, data, batch: int, step: int) -> dict:

@@ -36,6 +36,8 @@ class Trainer:
     memory_floor = None
     #: Seconds ``sections="auto"`` spent planning, else None.
     planning_seconds: float | None = None
+    #: ``sections="auto"``: each dry step's predicted and measured peak, sections and verdict; else none.
+    dry_runs: tuple = ()
     #: Lean gradients (``Engine``'s ``lean``); None: a trainer without them (the baselines run Keras's own).
     lean: bool | str | None = None
     #: Why the update runs once after the whole backward (None: section by section in it).
