@@ -87,7 +87,7 @@ def _search(batch: int, fits, again=None) -> list[int]:
         return micro, fits(micro), None, "", micro if fits(micro) else None
 
     recheck = (lambda micro: (again(micro), None, "")) if again else None
-    best, kept, trials = search(batch, attempt, recheck, TOLERANCE)
+    best, kept, trials = search(batch, attempt, recheck, TOLERANCE, collect=lambda: None)
     assert kept == (sizes(batch, best) if best else None)
     return [m for m, *_ in trials]
 
@@ -121,6 +121,18 @@ def test_a_micro_batched_run_says_so_and_checks_a_micro_batched_step(tmp_path, c
     assert "batch statistics are per micro-batch" in text
     assert "both cut into the same 3 micro-batches" in text
     assert OmegaConf.load(tmp_path / "config.yaml").train.micro_batch == 3
+
+
+def test_micro_batch_max_where_the_whole_batch_fits_runs_it_whole(tmp_path, caplog):
+    """A fixed partition on this machine's memory: the first trial (the whole batch, two steps within the budget)
+    fits, so no micro-batches; the run's config.yaml records the micro-batch found (the batch)."""
+    caplog.set_level("INFO", logger="runner")
+    metrics = run_in_process(tmp_path, *SMALL, "train.steps=1", "train.micro_batch=max", "train.verify_exact=false",
+                             "train.save_model=false")
+    assert "micro_batch=max: micro-batch 8 (1 per batch of 8) fits" in caplog.text
+    assert "the whole batch of 8 in one step (no micro-batches)" in caplog.text
+    assert OmegaConf.load(tmp_path / "config.yaml").train.micro_batch == 8
+    assert metrics["step"] == 1 and "micro_batches" not in metrics
 
 
 @pytest.mark.slow  # three runs (8-25 s); resume itself is tested fast in test_runner*.py

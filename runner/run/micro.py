@@ -90,12 +90,13 @@ def _largest_micro(cfg: DictConfig, data, network, sections, strategy):
     return micro, kept
 
 
-def search(batch: int, attempt, again=None, tolerance: float = 0.1):
+def search(batch: int, attempt, again=None, tolerance: float = 0.1, collect=gc.collect):
     """Trials `attempt(count) -> (micro-batch, fits, peak or None, why, kept or None)` over `count` micro-batches
     per batch (the module's docstring says which); returns the fewest micro-batches that fit (None: not even one
     example each), what that trial kept, and the trials `(micro-batch, fits, peak, why)`. `again(kept) -> (fits,
     peak, why)`: the best trial checked once more where later trials ran after it (their failures can leave the
-    device with less room, as `batch=max` found); where it no longer fits, the search goes on below it."""
+    device with less room, as `batch=max` found); where it no longer fits, the search goes on below it.
+    `collect`: frees what a dropped trial held (the garbage collector)."""
     trials, kept, best, worst, count = [], None, None, None, 1
     while True:
         while count is not None:
@@ -106,12 +107,12 @@ def search(batch: int, attempt, again=None, tolerance: float = 0.1):
                      + (f", peak {human_bytes(peak)}" if peak else ""))
             if fits:
                 kept = None  # the larger micro-batch's engine is freed before the smaller one is kept
-                gc.collect()
+                collect()
                 kept, best = engine, count
             else:
                 worst = count if worst is None else max(worst, count)
             del engine
-            gc.collect()
+            collect()
             count = _next_count(batch, best, worst, tolerance)
         if again is None or kept is None or trials[-1][0] == sizes(batch, best):
             break  # nothing to check, or the best is the last trial: nothing ran after it
@@ -123,7 +124,7 @@ def search(batch: int, attempt, again=None, tolerance: float = 0.1):
         log.info(f"micro_batch=max: micro-batch {sizes(batch, best)} does not fit any more ({why}); searching "
                  f"below it")
         kept = None
-        gc.collect()
+        collect()
         best, worst = None, best
         count = _next_count(batch, best, worst, tolerance)
         if count is None:
