@@ -141,6 +141,8 @@ def composes_somewhere(words: list[str], context: str | None = None) -> str | No
                 files = sorted((ROOT / "conf" / g).glob("*.yaml"))
                 leaf = key.rsplit(".", 1)[-1]
                 tries += [[f"{g}={p.stem}"] for p in sorted(files, key=lambda p: leaf not in p.read_text())]
+        if key.startswith("hydra.launcher."):  # a launcher's setting: the project's launchers and the plugins'
+            tries += [[f"hydra/launcher={name}"] for name in LAUNCHERS]
     why = None
     for extra in tries:
         try:
@@ -149,6 +151,9 @@ def composes_somewhere(words: list[str], context: str | None = None) -> str | No
         except Exception as err:  # noqa: BLE001 - Hydra's composition errors
             why = why or f"{' '.join([*extra, *words])}: {str(err).splitlines()[0]}"
     return why
+
+
+LAUNCHERS = ("joblib", "local", "slurm", "submitit_local", "submitit_slurm")
 
 
 def _chooses(word: str) -> bool:
