@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from sections.schedule.search import (DRY_STEPS, MARGIN, Candidate, DryStep, Fit, Point, Refuse, Run, Search, Try,
+from sections.schedule.search import (DRY_STEPS, EXPLORE_MARGIN, MARGIN, Candidate, DryStep, Fit, Point, Refuse, Run, Search, Try,
                                       decide, fit)
 
 MiB = 2**20
@@ -72,7 +72,7 @@ def test_a_plan_that_fits_runs_within_three_dry_steps_whatever_the_models_error(
     move, search = run_search(device, BASE + 300 * MiB, cands, block)
     assert isinstance(move, Run) and len(search.steps) <= DRY_STEPS
     assert move.step.peak + move.step.spread <= BASE + 300 * MiB
-    fitting = [c for c in cands if BASE + device(c.modelled) + MiB <= (1 - MARGIN) * (BASE + 300 * MiB)]
+    fitting = [c for c in cands if BASE + device(c.modelled) + MiB <= (1 - EXPLORE_MARGIN) * (BASE + 300 * MiB)]
     assert move.step.candidate.work <= min(c.work for c in fitting) + 2  # near the fastest that fits with margin
     for step in search.steps[1:] if len(search.steps) > 1 else search.steps:  # predictions once refitted
         if not step.ran_out:
@@ -114,3 +114,18 @@ def test_the_search_is_a_function_of_its_measurements():
 
 def test_an_empty_fit_is_the_model_itself():
     assert Fit().predict(123) == 123 and fit([]) == Fit()
+
+
+def test_a_faster_plan_than_one_that_fits_is_tried_only_well_inside_the_budget():
+    """The count can rank two plans wrongly: a faster plan predicted near the line is not worth a dry step that
+    may run out (minutes of the allocator's retries)."""
+    fits = Candidate("three", 200 * MiB, 2.0)
+    faster = Candidate("two", 200 * MiB, 1.0)
+    budget = BASE + 300 * MiB
+    search = Search(budget, BASE, [Point(200 * MiB, 230 * MiB)])
+    search.steps.append(DryStep(fits, BASE + 230 * MiB, MiB, False, BASE + 230 * MiB))
+    near = lambda room: faster if room >= 200 * MiB else None  # noqa: E731
+    assert BASE + 230 * MiB > (1 - EXPLORE_MARGIN) * budget  # the faster one is predicted as high: not tried
+    assert isinstance(decide(search, near, lambda: fits), Run)
+    roomy = Search(2 * budget, BASE, list(search.blocks), list(search.steps))
+    assert isinstance(decide(roomy, near, lambda: fits), Try)
