@@ -182,6 +182,12 @@ def decide(search: Search, plan_within: Callable[[int], Candidate | None], least
     if len(search.steps) >= search.max_steps:
         return Refuse(_least_step(search, least))
     floor = least()
+    ran_out = [s.candidate.modelled for s in search.steps if s.ran_out]
+    if ran_out and target is not None:
+        # A plan that ran out measured a lower bound only: the line through it need not rule out plans nearly as
+        # large. The next one lies at most halfway from the least-memory plan to the smallest that ran out.
+        halfway = floor.modelled + (min(ran_out) - floor.modelled) // 2
+        target = plan_within(min(current.room(search.line(spread) - search.base), halfway))
     # The last dry step left is the least-memory plan's: a refusal always rests on it.
     if len(search.steps) < search.max_steps - 1 and target is not None and not search.tried(target):
         return Try(target, "the fastest plan the model puts within the budget"

@@ -7,7 +7,7 @@ import time
 from typing import Callable
 
 from ..backend.device import release
-from ..backend.profile import measure_block
+from ..backend.profile import measure_block, measure_blocks
 from ..schedule.program import Schedule
 from .section_functions import Compiled
 from .executor import DryStep, Executor
@@ -29,6 +29,14 @@ class Measurer:
         began = time.perf_counter()
         try:
             return measure_block(self.network, batch, j, self.meter, self.lean, upstream)
+        finally:
+            self.seconds["block"] += time.perf_counter() - began
+
+    def blocks(self, batch, upstreams: list[int]) -> list[tuple[int, bool]]:
+        """Every block's backward at the batch's size (``backend.profile.measure_blocks``)."""
+        began = time.perf_counter()
+        try:
+            return measure_blocks(self.network, batch, self.meter, self.lean, upstreams)
         finally:
             self.seconds["block"] += time.perf_counter() - began
 
