@@ -183,10 +183,10 @@ class Calibrator:
 
     def _measure_blocks(self, batch) -> None:
         """Every block's backward at the real batch (``probe_batch`` examples if given), one border held at a time:
-        each block's counted costs are scaled by what it measured over its count (kernels' work buffers, which a
-        trace cannot see, differ by kernel: 1.8x the count on the small ResNet's convolutions with TensorFlow's own
-        kernels); a block the device had no memory for takes the largest ratio measured (its figure is a lower
-        bound). The dry steps then fit what the blocks measured alone leave out (how sections hold them together)."""
+        what a block measured beyond its count joins its transient bytes (kernels' work buffers, which a trace cannot
+        see, differ by kernel: 1.8x the count on the small ResNet's convolutions with TensorFlow's own kernels); a
+        block measured below its count has both parts scaled down; one the device had no memory for takes the
+        largest ratio measured (its figure is a lower bound). The dry steps then fit what the blocks measured alone leave out (how sections hold them together)."""
         real = int(tf.nest.flatten(batch)[0].shape[0])
         examples = min(self.probe_batch or real, real)
         if examples < real:
@@ -197,15 +197,18 @@ class Calibrator:
         # Counted activations grow with the batch: at a slice, each block's count scaled to it.
         counted = [(p.kept_bytes + p.transient_bytes) * examples // real for p in self.profiles]
         ratios = [m / c for (m, out), c in zip(measured, counted) if m and c and not out]
-        if not ratios:
-            self.measured_nothing = not any(m for m, _ in measured)
+        if not ratios:  # nothing counted (all below the allocator's resolution): the counts stand
             return
         typical, top = sorted(ratios)[len(ratios) // 2], max(ratios)
         scaled = []
         for p, (m, out), c in zip(self.profiles, measured, counted):
             r = max(m / c, top) if out and c else (m / c if m and c else typical)
-            scaled.append(replace(p, kept_bytes=int(p.kept_bytes * r), transient_bytes=int(p.transient_bytes * r),
-                                  stored_bytes=int(p.stored_bytes * r)))
+            if r >= 1:  # what the count missed is work buffers, held while the block's backward runs: transient
+                scaled.append(replace(p, transient_bytes=int(p.transient_bytes + (r - 1) * (p.kept_bytes +
+                                                                                          p.transient_bytes))))
+            else:  # counted too much (kernels fused away tensors the trace holds): both parts shrink alike
+                scaled.append(replace(p, kept_bytes=int(p.kept_bytes * r), transient_bytes=int(p.transient_bytes * r),
+                                      stored_bytes=int(p.stored_bytes * r)))
         self.profiles, self._plans = scaled, {}
         self.block_ratios = [round(m / c, 3) if m and c else None for (m, _), c in zip(measured, counted)]
         ran_out = sum(out for _, out in measured)
@@ -220,8 +223,8 @@ class Calibrator:
         peak = dry.peak
         if dry.ran_out:  # at least the device's limit (a fragmented heap fails below it)
             peak = max(peak, self.budget + 1, self.device_limit or 0)
-        elif not peak:
-            self.measured_nothing = True
+        # A dry step that read 0 bytes (every allocation below the allocator's resolution) measured nothing.
+        self.measured_nothing = not dry.ran_out and not peak
         spread = max(dry.spread, math.ceil(DRY_NOISE * peak)) if not dry.ran_out else 0
         step = DryStep(candidate, peak, spread, dry.ran_out, predicted)
         self.search.steps.append(step)
