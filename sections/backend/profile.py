@@ -340,29 +340,3 @@ def measure_block(network, batch, j: int, meter: MemoryMeter, lean, upstream: in
         release(err)
         return max(meter.peak() - base, 0) + (request or 0), True
 
-
-def measure_blocks(network, batch, meter: MemoryMeter, lean, upstreams: list[int]) -> list[tuple[int, bool]]:
-    """``measure_block`` for every block in one pass: the input of each is the previous block's output (one border
-    held at a time). Where the device has no memory for one, its figure is a lower bound (``ran_out``) and the next
-    block's input is still made (a forward holds less than a backward)."""
-    from .device import requested_bytes
-
-    mapping = [(v, tf.identity(v.value)) for v in network.non_trainable_variables]
-    pb = int(tf.nest.flatten(batch[network.inputs])[0].shape[0])
-    h, out = batch[network.inputs], []
-    for block, upstream in zip(network.blocks, upstreams):
-        base = meter.current()
-        try:
-            snapshot = [tf.identity(v.value) for v in block.layer.non_trainable_variables]
-            with lean_scope(lean):
-                _, train = _block_functions(block, batch)
-                train(pb, h, snapshot)  # tracing and kernel set-up
-                used = max(_measure(meter, train, pb, h, snapshot) for _ in range(2))
-            out.append((max(used - upstream, 0), False))
-        except tf.errors.ResourceExhaustedError as err:
-            request, _ = requested_bytes(err)
-            release(err)
-            out.append((max(meter.peak() - base, 0) + (request or 0), True))
-        with lean_scope(False), keras.StatelessScope(state_mapping=mapping):
-            h = block(h, batch, training=True)
-    return out

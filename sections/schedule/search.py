@@ -1,8 +1,8 @@
 """Which plan to dry-run next, which one runs, and when to refuse: plain Python over recorded measurements.
 
 The cost model counts each block's bytes from its trace (exact shapes at the real batch); what it cannot see
-(kernels' work buffers, the allocator's rounding) is fitted from measurements: each dry step (and a training step
-over its prediction) gives a point ``(modelled, measured)`` in bytes beyond the base (variables, optimizer slots,
+(kernels' work buffers, the allocator's rounding) is fitted from measurements: a measured block's backward, each
+dry step (and a training step over its prediction) gives a point ``(modelled, measured)`` in bytes beyond the base (variables, optimizer slots,
 the batch), and ``fit`` draws a line through them. A plan is tried when the line puts it under the budget with a
 margin; a plan runs when its dry step, plus what its repeated runs differed by, is within the budget. At most
 ``DRY_STEPS`` dry steps: the plan the model picks for the budget, the one it picks again with the line refitted

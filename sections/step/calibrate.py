@@ -1,5 +1,5 @@
 """Planning under a memory budget: the pure planner on costs counted from each block's trace, a line fitted to
-what was measured (each block's backward at the real batch, then dry steps), and the search
+what was measured (one block's backward at the real batch, then dry steps), and the search
 (``sections.schedule.search``) that says which plan to dry-run, which runs, or why none fits."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Calibrator:
         self.refusal: NoPlanFits | None = None
         self.seconds = {"model": 0.0}
         self._plans: dict = {}
-        self.block_ratios: list = []  # each block's measured over counted bytes (None: not measured)
+        self.measured_block = False
         self._kept_over = False
         began = time.perf_counter()
         self.plan = self._least_plan()
@@ -162,12 +162,12 @@ class Calibrator:
         return Floor(least, self.costs.model_bytes, line)
 
     # ------------------------------------------------------------------ planning at build
-    def calibrate(self, batch, measure_blocks: bool = True) -> None:
-        """Measure every block at the real batch (once), then follow ``search.decide``: dry-run what it says to try,
-        run what it says runs, or refuse."""
+    def calibrate(self, batch, measure_block: bool = True) -> None:
+        """Measure the block counted largest at the real batch (once), then follow ``search.decide``: dry-run what
+        it says to try, run what it says runs, or refuse."""
         hb = rules.human_bytes
-        if measure_blocks and not self.block_ratios:
-            self._measure_blocks(batch)
+        if measure_block and not self.measured_block:
+            self._measure_block(batch)
         log.info(f"planning: {len(self.profiles)} blocks, budget {hb(self.budget)} ({self.budget_source}); the "
                  f"model's line: {self.search.fit().describe()}; at most {self.search.max_steps} dry steps")
         while True:
@@ -181,40 +181,29 @@ class Calibrator:
             self._refuse(move)
             return
 
-    def _measure_blocks(self, batch) -> None:
-        """Every block's backward at the real batch (``probe_batch`` examples if given), one border held at a time:
-        what a block measured beyond its count joins its transient bytes (kernels' work buffers, which a trace cannot
-        see, differ by kernel: 1.8x the count on the small ResNet's convolutions with TensorFlow's own kernels); a
-        block measured below its count has both parts scaled down; one the device had no memory for takes the
-        largest ratio measured (its figure is a lower bound). The dry steps then fit what the blocks measured alone leave out (how sections hold them together)."""
+    def _measure_block(self, batch) -> None:
+        """One block's backward at the real batch (``probe_batch`` examples if given): the one the model counts
+        largest. Its measurement over its count is the line's first point (kernels' work buffers and the
+        allocator's rounding, which a trace cannot see: 1.8x the count on the small ResNet's convolutions with
+        TensorFlow's own kernels). Measuring every block and scaling each by its own ratio was tried and predicted
+        worse: 2 of 3 dry steps ran out on the small ResNet at a 436 MiB device, against none this way."""
+        j = max(range(len(self.profiles)), key=lambda i: self.profiles[i].kept_bytes + self.profiles[i].transient_bytes)
+        p = self.profiles[j]
         real = int(tf.nest.flatten(batch)[0].shape[0])
         examples = min(self.probe_batch or real, real)
         if examples < real:
             batch = {k: v[:examples] for k, v in batch.items()}
-        last = len(self.profiles) - 1
-        upstreams = [0 if j == last else p.output_bytes * examples // real for j, p in enumerate(self.profiles)]
-        measured = self.measurer.blocks(batch, upstreams)
-        # Counted activations grow with the batch: at a slice, each block's count scaled to it.
-        counted = [(p.kept_bytes + p.transient_bytes) * examples // real for p in self.profiles]
-        ratios = [m / c for (m, out), c in zip(measured, counted) if m and c and not out]
-        if not ratios:  # nothing counted (all below the allocator's resolution): the counts stand
+        # Counted activations grow with the batch: at a slice, the block's count scaled to it.
+        modelled = (p.kept_bytes + p.transient_bytes) * examples // real
+        upstream = 0 if j == len(self.profiles) - 1 else p.output_bytes * examples // real
+        measured, ran_out = self.measurer.block(batch, j, upstream)
+        self.measured_block = True
+        if not measured:  # below the allocator's resolution: the count stands
             return
-        typical, top = sorted(ratios)[len(ratios) // 2], max(ratios)
-        scaled = []
-        for p, (m, out), c in zip(self.profiles, measured, counted):
-            r = max(m / c, top) if out and c else (m / c if m and c else typical)
-            if r >= 1:  # what the count missed is work buffers, held while the block's backward runs: transient
-                scaled.append(replace(p, transient_bytes=int(p.transient_bytes + (r - 1) * (p.kept_bytes +
-                                                                                          p.transient_bytes))))
-            else:  # counted too much (kernels fused away tensors the trace holds): both parts shrink alike
-                scaled.append(replace(p, kept_bytes=int(p.kept_bytes * r), transient_bytes=int(p.transient_bytes * r),
-                                      stored_bytes=int(p.stored_bytes * r)))
-        self.profiles, self._plans = scaled, {}
-        self.block_ratios = [round(m / c, 3) if m and c else None for (m, _), c in zip(measured, counted)]
-        ran_out = sum(out for _, out in measured)
-        log.info(f"planning: {len(measured)} blocks measured at {examples} examples: {min(ratios):.2f}-{top:.2f}x "
-                 f"their counts (median {typical:.2f})"
-                 + (f"; {ran_out} ran out of device memory (taken at the largest ratio)" if ran_out else ""))
+        self.search.blocks.append(Point(modelled, measured, ran_out))
+        log.info(f"planning: block {p.name!r} at {examples} examples measured {rules.human_bytes(measured)} "
+                 f"against {rules.human_bytes(modelled)} counted from its trace"
+                 + (" (ran out of device memory: at least that)" if ran_out else ""))
 
     def _dry_run(self, candidate: Candidate, batch, why: str) -> None:
         plan = self._plan_of(candidate)
@@ -275,7 +264,7 @@ class Calibrator:
         m = self.measurer
         ran_out = f" ({m.ran_out} out of device memory)" if m.ran_out else ""
         return (f"planned in {t(self.planning_seconds())}: costs counted from traces {t(self.seconds['model'])}, "
-                f"blocks measured {t(m.seconds['block'])}, {m.dry_steps} dry steps{ran_out} "
+                f"one block measured {t(m.seconds['block'])}, {m.dry_steps} dry steps{ran_out} "
                 f"{t(m.seconds['dry steps'])}")
 
     # ------------------------------------------------------------------ corrections in training
@@ -329,7 +318,7 @@ class Calibrator:
                         f"{rules.human_bytes(self.budget)} and running the step again from the state before it")
         self.search = Search(self.budget, self.search.base, list(self.search.blocks), [],
                              self.search.max_steps)
-        self.calibrate(batch, measure_blocks=False)
+        self.calibrate(batch, measure_block=False)
         if self.refusal is not None:
             refusal, self.refusal = self.refusal, None
             raise OutOfMemory(f"{err}; no plan fits below it: {refusal}", err.device, err.requested,

@@ -68,10 +68,10 @@ class Engine(Trainer):
             learning rate and math per variable) for Keras's per-variable optimizers (``sections.step.update``),
             an error for others. ``"at_end"``: one apply after the whole backward. ``"auto"`` (default):
             ``in_backward`` where it is exact, else ``at_end`` (``apply_reason`` says why).
-        probe_batch: examples the planner's block measurements run (``sections="auto"`` only; default None: the
-            real batch, one replica's share). Every block's costs are counted from its trace at the real batch and
-            each block is run alone to measure what the count cannot see (kernels' work buffers). Dry steps run
-            the real batch.
+        probe_batch: examples the planner's one measured block runs (``sections="auto"`` only; default None: the
+            real batch, one replica's share). Every block's costs are counted from its trace at the real batch; the
+            block counted largest is run to fit the count to the device (kernels' work buffers). Dry steps run the
+            real batch.
         device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
             strategy, its replica devices).
         distribute: a ``tf.distribute`` strategy (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``) to run

@@ -7,7 +7,7 @@ import time
 from typing import Callable
 
 from ..backend.device import release
-from ..backend.profile import measure_block, measure_blocks
+from ..backend.profile import measure_block
 from ..schedule.program import Schedule
 from .section_functions import Compiled
 from .executor import DryStep, Executor
@@ -32,14 +32,6 @@ class Measurer:
         finally:
             self.seconds["block"] += time.perf_counter() - began
 
-    def blocks(self, batch, upstreams: list[int]) -> list[tuple[int, bool]]:
-        """Every block's backward at the batch's size (``backend.profile.measure_blocks``)."""
-        began = time.perf_counter()
-        try:
-            return measure_blocks(self.network, batch, self.meter, self.lean, upstreams)
-        finally:
-            self.seconds["block"] += time.perf_counter() - began
-
     def use(self, schedule: Schedule) -> Compiled:
         """Make ``schedule``'s program the one that runs (compiled once)."""
         compiled = next((c for s, c in self.programs if s == schedule), None)
@@ -55,19 +47,13 @@ class Measurer:
         """``schedule``'s step run unapplied, its state and counters restored (``Executor.dry_step``)."""
         self.use(schedule)
         began = time.perf_counter()
-        dry = self.executor.dry_step(batch, self._reset_counters)
+        dry = self.executor.dry_step(batch, self.current.read_counters)
         self.seconds["dry steps"] += time.perf_counter() - began
         self.dry_steps += 1
         self.ran_out += int(dry.ran_out)
         if dry.ran_out:
             release()
         return dry
-
-    def _reset_counters(self) -> list[int]:
-        runs = [int(c.numpy()) for c in self.current.counters]
-        for c in self.current.counters:
-            c.assign(0)
-        return runs
 
     def forget(self) -> None:
         """Drop the programs kept for plans that do not run."""

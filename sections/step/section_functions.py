@@ -188,6 +188,13 @@ class Compiled:
     functions: tuple[SectionFunctions, ...] = ()
     complete: tuple[tuple[int, ...], ...] = ()
 
+    def read_counters(self) -> list[int]:
+        """Each section's forward runs since the last read, and the counters set back to zero."""
+        runs = [int(c.numpy()) for c in self.counters]
+        for c in self.counters:
+            c.assign(0)
+        return runs
+
     def views(self, batch) -> list[dict]:
         """Each section's part of the batch (the fields it reads)."""
         return [{key: batch[key] for key in fields} for fields in self.fields]
