@@ -75,9 +75,13 @@ def build(cfg: DictConfig, strategy=None, folder=None, continuing: bool = False)
         setup.data_changes = data_changes
         return setup
     if micro:
+        from types import SimpleNamespace
+
         from runner.run.micro import micro_batched
 
-        setup = micro_batched(cfg, data, network, sections, strategy)
+        makers = SimpleNamespace(make_engine=make_engine, one_step_fits=_one_step_fits, new_optimizer=new_optimizer)
+        engine, probe, batches = micro_batched(cfg, data, network, sections, strategy, makers)
+        setup = Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batches=batches)
         setup.data_changes = data_changes
         return setup
     engine, probe, batches = make_engine(cfg, data, network, sections, strategy, cfg.batch)

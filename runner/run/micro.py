@@ -26,21 +26,21 @@ from sections.rules import human_bytes
 log = logging.getLogger("runner")
 
 
-def micro_batched(cfg: DictConfig, data, network, sections, strategy):
-    """The run's Setup with its engine stepping micro-batches (`cfg.train.micro_batch`: a number, or max, which
-    becomes the micro-batch found)."""
-    from runner.run.build import Setup, make_engine
-
+def micro_batched(cfg: DictConfig, data, network, sections, strategy, makers):
+    """The run's (engine, probe, batches) with the engine stepping micro-batches (`cfg.train.micro_batch`: a number,
+    or max, which becomes the micro-batch found). `makers`: build.py's `make_engine`, `one_step_fits` and
+    `new_optimizer`, handed in (build.py imports this module, so this one does not import it back)."""
     value = cfg.train.micro_batch
     if value == "max":
-        micro, kept = _largest_micro(cfg, data, network, sections, strategy)
+        micro, kept = _largest_micro(cfg, data, network, sections, strategy, makers)
         engine, probe, batches = kept
     else:
         micro = int(value)
-        engine, probe, batches = make_engine(cfg, data, network, sections, strategy, cfg.batch, micro_batch=micro)
+        engine, probe, batches = makers.make_engine(cfg, data, network, sections, strategy, cfg.batch,
+                                                    micro_batch=micro)
     if micro >= cfg.batch:
         log.info(f"train.micro_batch={micro}: the whole batch of {cfg.batch} in one step (no micro-batches)")
-    return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batches=batches)
+    return engine, probe, batches
 
 
 def sizes(batch: int, count: int) -> int:
@@ -48,12 +48,12 @@ def sizes(batch: int, count: int) -> int:
     return math.ceil(batch / count)
 
 
-def _largest_micro(cfg: DictConfig, data, network, sections, strategy):
+def _largest_micro(cfg: DictConfig, data, network, sections, strategy, makers):
     """`micro_batch=max` (the module's docstring): the micro-batch found (written into `cfg.train.micro_batch`, so the
     run's config.yaml, and a resume, keep it) and its trial's (engine, probe, batches)."""
     import sections as engine_lib
     from runner.run.batch_max import TOLERANCE
-    from runner.run.build import _one_step_fits, make_engine, new_optimizer
+    make_engine, _one_step_fits, new_optimizer = makers.make_engine, makers.one_step_fits, makers.new_optimizer
 
     batch = cfg.batch
     budget, source = engine_lib.device_budget(cfg.engine.memory_budget)
