@@ -21,6 +21,9 @@ DRY_STEPS = 3
 MARGIN = 0.10
 EXPLORE_MARGIN = 0.20  # a faster plan than one that fits: tried only this far below the budget
 MIN_SCALE = 0.25
+# Figures below this say more about the allocator's rounding than about the model (oneDNN's CPU allocator counts
+# nothing under 256 KiB; a small net's block read 3x its count at batch 16 and less at 64): not fitted.
+RESOLUTION = 2**20
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,12 @@ class Fit:
 
 
 def fit(points: Sequence[Point]) -> Fit:
-    """The line through the two latest points whose modelled figures differ by more than a tenth (a scale and a
-    fixed part: work buffers do not grow with a plan, the allocator's rounding does); with one such point, the
+    """Of points of at least ``RESOLUTION`` bytes, the line through the two latest whose modelled figures differ by
+    more than a tenth (a scale and a fixed part: work buffers do not grow with a plan, the allocator's rounding
+    does); with one such point, the
     more cautious of a scale and a fixed offset for plans larger than it (the scale where the model counted too
     little, the offset where it counted too much)."""
-    usable = [p for p in points if p.modelled > 0]
+    usable = [p for p in points if p.modelled >= RESOLUTION and p.measured >= RESOLUTION]
     if not usable:
         return Fit()
     # Above the largest plan measured, no line is trusted further than the ratio measured there: a larger plan's
