@@ -113,17 +113,23 @@ def test_flops_per_section_are_counted(tiny_run):
 def test_event_file_holds_every_tag_text_and_hparams(tiny_run):
     out, _ = tiny_run
     scalars, hparams = events(out)
-    assert STEP_TAGS | EVAL_TAGS | {"config", "partition"} <= set(scalars)
+    metrics = json.loads((out / "metrics.json").read_text())
+    # This tiny model's tensors lie near oneDNN's allocator resolution (256 KiB): in some processes no step is
+    # measured (1 suite run in 4 this session), and then no memory tag is written at all, never a 0.
+    measured = metrics["step_peak_bytes"] is not None
+    memory = {t for t in STEP_TAGS if t.startswith("memory_MiB/")}
+    assert (STEP_TAGS - memory) | EVAL_TAGS | {"config", "partition"} <= set(scalars)
     assert [s for s, _ in scalars["loss/train"]] == [1, 2, 3, 4]
     assert [s for s, _ in scalars["accuracy/eval"]] == [2, 4]
     assert [v for _, v in scalars["forward_runs/section_0"]] == [2, 2, 2, 2]
-    # MiB, not bytes: the largest logged step peak is metrics.json's step_peak_bytes / 2**20 (a tiny model's
-    # phases may allocate nothing the allocator tracks, so single steps can read 0).
-    metrics = json.loads((out / "metrics.json").read_text())
-    assert max(v for _, v in scalars["memory_MiB/step_peak"]) == pytest.approx((metrics["step_peak_bytes"] or 0) / 2**20)
+    if measured:  # MiB, not bytes: the largest logged step peak is metrics.json's step_peak_bytes / 2**20
+        assert memory <= set(scalars)
+        assert max(v for _, v in scalars["memory_MiB/step_peak"]) == pytest.approx(metrics["step_peak_bytes"] / 2**20)
+    else:
+        assert not memory & set(scalars)
     assert {t for t in scalars if t.startswith("final/")} == {
         "final/loss", "final/eval_loss", "final/accuracy", "final/median_step_seconds",
-        "final/examples_per_second", "final/step_peak_MiB"}
+        "final/examples_per_second", *(["final/step_peak_MiB"] if measured else [])}
     values, trial = session_hparams(hparams)
     assert values["batch"] == "16" and values["model"] == "resnet" and values["sections"] == "[scale1,final_pool]"
     assert trial.startswith("model=resnet model.widths=[4,4,4]")

@@ -68,9 +68,8 @@ class Fit:
 def fit(points: Sequence[Point]) -> Fit:
     """Of points of at least ``RESOLUTION`` bytes, the line through the two latest whose modelled figures differ by
     more than a tenth (a scale and a fixed part: work buffers do not grow with a plan, the allocator's rounding
-    does); with one such point, the
-    more cautious of a scale and a fixed offset for plans larger than it (the scale where the model counted too
-    little, the offset where it counted too much)."""
+    does); with one such point, the more cautious of a scale and a fixed offset for plans larger than it (the
+    scale where the model counted too little, the offset where it counted too much)."""
     usable = [p for p in points if p.modelled >= RESOLUTION and p.measured >= RESOLUTION]
     if not usable:
         return Fit()
