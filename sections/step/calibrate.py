@@ -156,8 +156,11 @@ class Calibrator:
         return self.search.predict(self._candidate(plan))
 
     def floor(self) -> Floor:
-        """The least memory any plan at this batch is predicted to need, on what was measured so far."""
-        least = self.predicted(self._least_plan())
+        """The least memory any plan at this batch needs by the count (exact shapes: it grows with the batch, which
+        ``batch=max`` extrapolates; the fitted line, drawn anew by each engine, moved a small net's floor at batch
+        16 above its floor at 64), no more than the plan in force measured."""
+        plan = self._least_plan()
+        least = min(plan.predicted_peak, self.plan.predicted_peak)
         line = int(self.search.line(self.spread()))
         return Floor(least, self.costs.model_bytes, line)
 
