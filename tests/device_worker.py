@@ -4,6 +4,7 @@ TensorFlow loads). `python tests/device_worker.py CASE` prints one JSON line.
 - `recover`: `sections="auto"` trains 5 steps twice from the same start, the second time with an allocation far
   past the device injected into the third step's forward; prints both runs' losses and the re-plans.
 - `restore`: a fitting dry step, two that run out of memory, the fitting one again (bytes in use between).
+- `lean_count`: one lean section's dry step against what its blocks' traces count (``static_blocks``).
 - `fit`: a Keras model under plain `fit` and wrapped in `SectionedModel(model, sections="auto")`, one epoch
   each; prints how each ended and the wrapped run's step peaks.
 """
@@ -135,5 +136,31 @@ def restore(batch=64, big=1024) -> dict:
     return out
 
 
+def lean_count(batch=128) -> dict:
+    """One lean section of convolutions with batch norm: its dry step's peak beyond what was in use, and the peak its
+    blocks' traces count for it (the planner's figure for a one-section plan, beside the base)."""
+    from sections.backend.static_cost import static_blocks
+
+    x, y = data(batch, size=32)
+    xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    network = sections.from_keras(conv_model(size=32, depth=8), loss=lambda out, b: xent(b["label"], out),
+                                  inputs="image", loss_fields=["label"])
+    engine = sections.Engine(network, keras.optimizers.Adam(1e-3), sections=1, lean=True)
+    small = {"image": tf.constant(x), "label": tf.constant(y)}
+    engine.build(small)
+    engine.dry_step(small)  # kernels set up
+    before = int(tf.config.experimental.get_memory_info("CPU:0")["current"])
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    measured = engine.dry_step(small).peak
+    peak = int(tf.config.experimental.get_memory_info("CPU:0")["peak"]) - before
+    profiles = static_blocks(network, engine.borders, True)
+    kept, counted = 0, 0
+    for p in profiles:
+        kept += p.kept_bytes
+        counted = max(counted, kept + p.transient_bytes)
+    return {"counted": counted, "measured": peak, "dry_step": measured}
+
+
 if __name__ == "__main__":
-    print(json.dumps({"recover": recover, "fit": fit, "restore": restore}[sys.argv[1]]()))
+    cases = {"recover": recover, "fit": fit, "restore": restore, "lean_count": lean_count}
+    print(json.dumps(cases[sys.argv[1]]()))

@@ -23,6 +23,8 @@ IN_PLACE = frozenset({"Relu", "Relu6", "Elu", "Selu", "Tanh", "Sigmoid", "Add", 
                       "LeakyRelu", "LeakyReluGrad", "Softplus", "SoftplusGrad", "AddN", "Reciprocal", "Abs", "Sign",
                       "Erf", "Pow", "DivNoNan", "Softsign", "Floor", "Round", "Select", "SelectV2", "MulNoNan",
                       "Sin", "Cos", "Softmax", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad", "ClipByValue"})
+# Ops that read only a tensor's shape, never its buffer.
+SHAPE_ONLY = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"})
 _NO_SIZE = (tf.resource, tf.variant, tf.string)
 
 
@@ -105,3 +107,27 @@ def graph_memory(graph, split: int | None = None) -> GraphMemory:
     if split is not None:
         kept = sum(size[b] for b in born if born[b] < split and last[b] >= split)
     return GraphMemory(peak, kept, unsized)
+
+
+def read_after(graph, names, split: int) -> int:
+    """Bytes of the tensors named ``names`` (a block's input or output border in ``graph``) whose buffer an op at
+    or after index ``split`` reads, through any view of it: what a block's backward needs of its borders."""
+    index = {op.name: i for i, op in enumerate(graph.get_operations())}
+    total = 0
+    for name in names:
+        tensor = graph.get_tensor_by_name(name)
+        while tensor.op.type in ALIASES and tensor.op.inputs:  # to the op that made the buffer
+            tensor = tensor.op.inputs[0]
+        views, read = [tensor], False
+        while views and not read:
+            t = views.pop()
+            for op in t.consumers():
+                if op.name not in index or op.type in SHAPE_ONLY:
+                    continue
+                if op.type in ALIASES:
+                    views.extend(op.outputs)
+                elif index[op.name] >= split:
+                    read = True
+        if read:
+            total += tensor_bytes(tensor) or 0
+    return total

@@ -29,6 +29,8 @@ class BlockProfile:
     transient_bytes: int    # gradient buffers alive only while its own backward runs
     forward_seconds: float  # one compiled forward (the re-run cost)
     stored_bytes: int = 0   # what a tape keeps from its compiled forward until its backward (policy "store")
+    entry_bytes: int = 0    # of kept_bytes and stored_bytes, its input border's (held by the caller when it
+                            # starts a section)
 
 
 _NOT_ACTIVATIONS = {"Const", "ReadVariableOp", "Identity", "Placeholder", "VarHandleOp", "NoOp", "Shape",
@@ -104,7 +106,7 @@ def rescaled(profiles: list, real: int, new: int) -> list:
     """Block profiles measured for batch ``real``, for batch ``new`` (every figure grows with the batch)."""
     k = new / real
     return [BlockProfile(p.name, int(p.output_bytes * k), int(p.kept_bytes * k), int(p.transient_bytes * k),
-                         p.forward_seconds * k, int(p.stored_bytes * k)) for p in profiles]
+                         p.forward_seconds * k, int(p.stored_bytes * k), int(p.entry_bytes * k)) for p in profiles]
 
 
 class SectionProbe:

@@ -61,7 +61,8 @@ class RelaxedFunction:
         if key not in self._traced:
             self.function.get_concrete_function(*specs)
             self._traced.add(key)
-        return self.function(*args)
+        with internals.unpruned_calls():
+            return self.function(*args)
 
     def tracing_count(self) -> int:
         return self.function.experimental_get_tracing_count()

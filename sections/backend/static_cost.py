@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from .lean import lean_scope
-from .liveness import graph_memory
+from .liveness import graph_memory, read_after
 from .profile import BlockProfile, _first_component, specs_at
 from .structure import float_leaves, nbytes
 
@@ -48,21 +48,24 @@ def forward_flops(ops) -> float:
     return total
 
 
-def _trace(block, h_specs, batch_specs, lean):
-    """The block's forward and backward traced at the specs' batch: the graph and the index of its first
-    backward op."""
-    state = list(block.layer.non_trainable_variables)
-    variables = [_first_component(v) for v in block.layer.trainable_variables]
-    split = []
+def _trace(blocks, h_specs, batch_specs, lean):
+    """Consecutive blocks' forward and backward traced at the specs' batch, as one section's training run: the
+    graph, the index of its first backward op, and the names of its input and output border tensors."""
+    state = [v for block in blocks for v in block.layer.non_trainable_variables]
+    variables = [_first_component(v) for block in blocks for v in block.layer.trainable_variables]
+    split, borders = [], []
 
     def train(h, batch, snapshot):
         with tf.GradientTape() as tape:
             xs = float_leaves(h)
             tape.watch(xs)
             with keras.StatelessScope(state_mapping=list(zip(state, snapshot))):
-                out = block(h, batch, training=True)
+                out = h
+                for block in blocks:
+                    out = block(out, batch, training=True)
         split.append(len(tf.compat.v1.get_default_graph().get_operations()))
         ys = float_leaves(out)
+        borders.append(([x.name for x in xs], [y.name for y in ys]))
         if ys and (xs or variables):
             return tape.gradient(ys, xs + variables, output_gradients=[tf.ones_like(y) for y in ys])
         return []
@@ -70,7 +73,7 @@ def _trace(block, h_specs, batch_specs, lean):
     snapshot = [tf.TensorSpec(v.shape, v.dtype) for v in state]
     with lean_scope(lean):
         graph = tf.function(train).get_concrete_function(h_specs, batch_specs, snapshot).graph
-    return graph, split[0]
+    return graph, split[0], borders[0]
 
 
 def batch_specs(small: dict, real: int) -> dict:
@@ -85,9 +88,10 @@ def static_blocks(network, borders, lean) -> list[BlockProfile]:
     real = borders.real_batch
     fields = batch_specs(borders.probe_slice, real)
     profiles = []
+    output_read = 0  # of the previous block's output border, what its own backward reads (counted in its kept)
     for j, block in enumerate(network.blocks):
         h = borders.specs_before(j)
-        graph, split = _trace(block, h, fields, lean)
+        graph, split, (inputs, outputs) = _trace([block], h, fields, lean)
         memory = graph_memory(graph, split)
         out = nbytes(borders.output_specs[j])
         last = j == len(network.blocks) - 1
@@ -95,10 +99,27 @@ def static_blocks(network, borders, lean) -> list[BlockProfile]:
         upstream = 0 if last else out
         peak = max(memory.peak - upstream, 0)
         kept = min(memory.kept, peak)
+        # Inside a section, the border before this block is an activation like any other: held through the
+        # backward where this block's backward reads it and the block before did not already keep it. When the
+        # block starts a section that border is the section's input, held by the caller (``entry_bytes``).
+        entry = max(read_after(graph, inputs, split) - output_read, 0) if j else 0
+        output_read = read_after(graph, outputs, split)
         work = forward_flops(graph.get_operations()[:split]) / GFLOP
-        profiles.append(BlockProfile(name=block.name, output_bytes=out, kept_bytes=kept,
-                                     transient_bytes=max(peak - kept, 0), forward_seconds=work, stored_bytes=kept))
+        profiles.append(BlockProfile(name=block.name, output_bytes=out, kept_bytes=kept + entry,
+                                     transient_bytes=max(peak - kept, 0), forward_seconds=work,
+                                     stored_bytes=kept + entry, entry_bytes=entry))
     return profiles
+
+
+def count_span(network, borders, s: int, t: int, lean) -> int:
+    """The activation bytes of blocks ``s .. t-1`` run as one section, counted from that section's own trace at the
+    real batch (what the planner's ``_Chain`` composes from the blocks' figures): the most its forward and backward
+    hold beside its input border and its output's gradient. Lean gradients that reach across blocks (a batch norm
+    re-making its input from the convolution before it) are seen only here."""
+    graph, split, _ = _trace(network.blocks[s:t], borders.specs_before(s),
+                             batch_specs(borders.probe_slice, borders.real_batch), lean)
+    upstream = 0 if t == len(network.blocks) else nbytes(borders.output_specs[t - 1])
+    return max(graph_memory(graph, split).peak - upstream, 0)
 
 
 def input_specs_at(borders, block: int):

@@ -99,11 +99,13 @@ class ChainCosts:
 
     def section(self, s: int, t: int) -> SectionCosts:
         blocks = self.profiles[s:t]
+        entry = getattr(blocks[0], "entry_bytes", 0)  # the section's input border: its caller holds it
         active = self.measured.get((s, t))
         if active is None:  # while block j's backward runs, blocks s..j hold what they kept, j its transients
             kept = list(itertools.accumulate(p.kept_bytes for p in blocks))
-            active = self.calibration * max(k + p.transient_bytes for k, p in zip(kept, blocks))
-        return SectionCosts(int(self.scale * active), int(self.scale * sum(p.stored_bytes for p in blocks)),
+            active = self.calibration * (max(k + p.transient_bytes for k, p in zip(kept, blocks)) - entry)
+        stored = sum(p.stored_bytes for p in blocks) - entry
+        return SectionCosts(int(self.scale * active), int(self.scale * stored),
                             int(self.scale * max(p.transient_bytes for p in blocks)), self.seconds(s, t))
 
 

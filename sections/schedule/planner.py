@@ -65,7 +65,7 @@ class Plan:
         return (f"plan: {len(self.starts) + 1} section(s), policies {self.policies}, forward runs "
                 f"{list(self.forward_runs)}, predicted peak {human_bytes(self.predicted_peak)} (budget "
                 f"{human_bytes(self.budget)}, margin {self.margin:.0%}; {self.measured_sections} of "
-                f"{len(self.leaves)} re-run sections measured as one run"
+                f"{len(self.leaves)} re-run sections counted as one run"
                 + (f"; {human_bytes(self.extra_bytes)} a dry step held beyond the model" if self.extra_bytes > 0
                    else f"; a dry step held {human_bytes(-self.extra_bytes)} less than the model" if self.extra_bytes
                    else "")
@@ -90,6 +90,7 @@ class _Chain:
         self._stored = np.cumsum([0] + [p.stored_bytes for p in profiles])
         self._fwd = np.cumsum([0.0] + [p.forward_seconds for p in profiles])
         self._transient = [p.transient_bytes for p in profiles]
+        self._entry = [getattr(p, "entry_bytes", 0) for p in profiles]  # held by the caller at a section's start
         grads = [0] * self.n if grads is None else list(grads)
         self.grads_after = [int(sum(grads[t:])) for t in range(self.n + 1)]
         self.measured = dict(measured or {})
@@ -98,7 +99,8 @@ class _Chain:
 
     def estimate(self, s: int, t: int) -> int:
         """A section's activations from its blocks' figures (before calibration)."""
-        return int(max(self._kept[j + 1] - self._kept[s] + self._transient[j] for j in range(s, t)))
+        most = max(self._kept[j + 1] - self._kept[s] + self._transient[j] for j in range(s, t))
+        return int(most - self._entry[s])
 
     def section(self, s: int, t: int, scale: float = 1.0) -> SectionProfile:
         # A section's backward goes from its last block to its first: while block j's backward runs, blocks
@@ -109,7 +111,7 @@ class _Chain:
                 active = self.calibration * self.estimate(s, t)
             self._memo[(s, t)] = (active, max(self._transient[s:t]))
         active, transient = self._memo[(s, t)]
-        return SectionProfile(int(scale * active), int(scale * (self._stored[t] - self._stored[s])),
+        return SectionProfile(int(scale * active), int(scale * (self._stored[t] - self._stored[s] - self._entry[s])),
                               int(scale * transient), float(self._fwd[t] - self._fwd[s]))
 
     def seconds(self, s: int, t: int) -> float:

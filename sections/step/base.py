@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -281,6 +283,9 @@ class Request:
             rules.check_section_count(sections, len(network.blocks), network.block_names)
         starts = network.boundary_starts(sections) if isinstance(sections, list) else None
         rules.check_probe_batch(probe_batch)
+        if probe_batch is not None:
+            warnings.warn(f"probe_batch={probe_batch} is no longer used: planning measures no block (costs are "
+                          f"counted from traces at the real batch); drop it.", DeprecationWarning, stacklevel=4)
         return cls(sections, starts, probe_batch=probe_batch)
 
 

@@ -16,7 +16,7 @@ import tensorflow as tf
 from .. import rules
 from ..allocator import kernel_crash_warning
 from ..backend.device import OutOfMemory
-from ..backend.static_cost import static_blocks
+from ..backend.static_cost import count_span, static_blocks
 from ..network.network import Network
 from ..schedule.policies import Recompute, resolve
 from ..schedule.program import Schedule
@@ -68,10 +68,8 @@ class Engine(Trainer):
             learning rate and math per variable) for Keras's per-variable optimizers (``sections.step.update``),
             an error for others. ``"at_end"``: one apply after the whole backward. ``"auto"`` (default):
             ``in_backward`` where it is exact, else ``at_end`` (``apply_reason`` says why).
-        probe_batch: examples the planner's one measured block runs (``sections="auto"`` only; default None: the
-            real batch, one replica's share). Every block's costs are counted from its trace at the real batch; the
-            block counted largest is run to fit the count to the device (kernels' work buffers). Dry steps run the
-            real batch.
+        probe_batch: no longer used (a warning says so): planning measures no block. Costs are counted from
+            traces at the real batch, and dry steps run the real batch.
         device: where memory is measured (default ``GPU:0`` when there is a GPU, else ``CPU:0``; under a
             strategy, its replica devices).
         distribute: a ``tf.distribute`` strategy (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``) to run
@@ -218,8 +216,9 @@ class Engine(Trainer):
         profiles = static_blocks(self.network, self.borders, self.lean)
         measurer = Measurer(self.network, self.executor, self.compile, self.meter, self.lean)
         self.calibrator = Calibrator(profiles, costs, self.memory_budget, self.budget_source, self.lean, measurer,
-                                     resident=resident, probe_batch=self.request.probe_batch,
-                                     device_limit=self.device_memory.total if self.device_memory.hard else None)
+                                     resident=resident,
+                                     device_limit=self.device_memory.total if self.device_memory.hard else None,
+                                     count_span=lambda s, t: count_span(self.network, self.borders, s, t, self.lean))
         self.calibrator.seconds["model"] += time.perf_counter() - began
         return self.calibrator.plan.schedule
 
