@@ -77,3 +77,69 @@ def test_block_costs_are_the_same_in_every_count_and_grow_with_the_batch():
         figures.append([(p.kept_bytes, p.transient_bytes, p.output_bytes) for p in engine.profiles])
     assert figures[0] == figures[1]
     assert sum(k for k, *_ in figures[2]) > sum(k for k, *_ in figures[0])
+
+
+def test_section_functions_run_with_model_pruning_off_and_others_with_the_defaults():
+    """Grappler's model pruning re-wires the control edges that keep a lean gradient's re-computation in the
+    backward; the engine's functions are called without it, every other call keeps TensorFlow's options."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    from sections.backend.relaxed import RelaxedFunction
+    from sections.backend.tf_internals import unpruned_calls
+
+    def pruning_off() -> bool:
+        config = config_pb2.ConfigProto()
+        config.ParseFromString(context.context().function_call_options.config_proto_serialized)
+        return config.graph_options.rewrite_options.disable_model_pruning
+
+    seen = []
+    before = pruning_off()
+    with unpruned_calls():
+        seen.append(pruning_off())
+    assert seen == [True] and pruning_off() == before is False
+
+    class Spy:  # stands for the tf.function: what the options are while a RelaxedFunction calls it
+        def get_concrete_function(self, *specs):
+            return None
+
+        def __call__(self, x):
+            seen.append(pruning_off())
+            return x
+
+    fn = RelaxedFunction(lambda x: x, batch_args=(0,))
+    fn.function = Spy()
+    fn(4, tf.ones([4, 2]))
+    assert seen == [True, True] and pruning_off() is False
+
+
+def test_a_border_the_backward_reads_is_counted_and_one_it_does_not_is_not():
+    from sections.backend.liveness import read_after
+
+    spec = tf.TensorSpec([256, 1024], tf.float32)  # 1 MiB
+    split, names = [], []
+
+    def train(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.exp(x)          # exp's gradient reads its output, not its input
+        split.append(len(tf.compat.v1.get_default_graph().get_operations()))
+        names.append((x.name, y.name))
+        return tape.gradient(y, x)
+
+    graph = _graph(train, spec)
+    (x, y), = names
+    assert read_after(graph, [y], split[0]) == 1 * MiB
+    assert read_after(graph, [x], split[0]) == 0
+
+    def square(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = x * x              # its gradient reads its input
+        split.append(len(tf.compat.v1.get_default_graph().get_operations()))
+        names.append((x.name, y.name))
+        return tape.gradient(y, x)
+
+    graph = _graph(square, spec)
+    x, y = names[-1]
+    assert read_after(graph, [x], split[-1]) == 1 * MiB and read_after(graph, [y], split[-1]) == 0
