@@ -65,6 +65,9 @@ class UniqueOutputDir(Callback):
             config.hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
         record = {"task": list(config.hydra.overrides.task), "hydra": list(config.hydra.overrides.hydra),
                   "sweeper": OmegaConf.select(config, "hydra.sweeper._target_")}
+        if "optuna" in str(record["sweeper"] or "").lower():  # what resume= needs to find and count its study
+            record["optuna"] = {k: OmegaConf.select(config, f"hydra.sweeper.{k}")
+                                for k in ("storage", "study_name", "n_trials")}
         try:
             (Path(folder) / SWEEP_RECORD).write_text(json.dumps(record, indent=1))
         except OSError as err:  # the sweep runs; only its resume= would lack the record

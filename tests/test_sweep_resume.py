@@ -85,8 +85,60 @@ def test_resume_of_a_sweep_folder_is_the_sweeps_own_command_line_into_that_folde
                               "sweeper": {"_target_": "basic"}}}, older / "multirun.yaml")
     assert resume_arguments([f"resume={older}"]) == ["-m", "batch=8,16", "hydra.mode=MULTIRUN",
                                                      f"hydra.sweep.dir='{older}'"]
-    with pytest.raises(ConfigError, match="an Optuna sweep cannot be continued yet"):
-        resume_arguments([f"resume={sweep_folder(tmp_path / 'o', 'hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper')}"])
+
+
+OPTUNA = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+
+
+def optuna_sweep(tmp_path: Path, storage, n_trials=5) -> Path:
+    folder = sweep_folder(tmp_path, OPTUNA)
+    record = json.loads((folder / SWEEP_RECORD).read_text())
+    record["optuna"] = {"storage": storage, "study_name": "s", "n_trials": n_trials}
+    (folder / SWEEP_RECORD).write_text(json.dumps(record))
+    return folder
+
+
+def test_an_optuna_sweep_continues_from_its_studys_storage(tmp_path, monkeypatch, capsys):
+    """Finished trials stay in the study, an interrupted one is failed and asked again with its parameters, only the
+    missing trials run, in job folders of their own."""
+    import optuna
+
+    monkeypatch.delenv(RESUMING, raising=False)
+    monkeypatch.chdir(tmp_path)
+    study = optuna.create_study(study_name="s", storage="sqlite:///optuna.db")
+    for value in (0.5, 0.7):
+        trial = study.ask()
+        trial.suggest_float("lr", 1e-4, 1e-1, log=True)
+        study.tell(trial, value)
+    interrupted = study.ask()
+    lr = interrupted.suggest_float("lr", 1e-4, 1e-1, log=True)  # killed: left RUNNING
+    folder = optuna_sweep(tmp_path, "sqlite:///optuna.db")
+    args = resume_arguments([f"resume={folder}"])
+    assert args[-2:] == ["hydra.sweeper.n_trials=3", "hydra.sweep.subdir=c1_${hydra.job.num}"], args
+    assert "2 of 5 trials finished; 1 interrupted (asked again with their parameters, from the start); 3 to run" \
+        in capsys.readouterr().out
+    states = [t.state for t in optuna.load_study(study_name="s", storage="sqlite:///optuna.db").get_trials()]
+    assert states.count(optuna.trial.TrialState.FAIL) == 1 and states.count(optuna.trial.TrialState.WAITING) == 1
+    asked = optuna.load_study(study_name="s", storage="sqlite:///optuna.db").ask()
+    assert asked.suggest_float("lr", 1e-4, 1e-1, log=True) == lr  # the interrupted trial's parameters, first
+    (folder / "c1_0").mkdir()
+    assert resume_arguments([f"resume={folder}"])[-1] == "hydra.sweep.subdir=c2_${hydra.job.num}"
+
+
+@pytest.mark.parametrize("storage, n_trials, message", [
+    (None, 5, r"kept its study in memory \(hydra.sweeper.storage=null\)"),
+    ("sqlite:///elsewhere.db", 5, r"storage sqlite:///elsewhere.db is not found from .*; run resume= from the folder"),
+    ("sqlite:///optuna.db", 1, r"already has 1 finished trials of n_trials=1: nothing to continue"),
+])
+def test_an_optuna_sweep_that_cannot_be_continued_says_why(tmp_path, monkeypatch, storage, n_trials, message):
+    import optuna
+
+    monkeypatch.delenv(RESUMING, raising=False)
+    monkeypatch.chdir(tmp_path)
+    study = optuna.create_study(study_name="s", storage="sqlite:///optuna.db")
+    study.tell(study.ask(), 0.5)
+    with pytest.raises(ConfigError, match=message):
+        resume_arguments([f"resume={optuna_sweep(tmp_path, storage, n_trials)}"])
 
 
 def test_a_continued_sweep_reuses_its_folder_and_a_new_one_records_its_command_line(tmp_path, monkeypatch, capsys):
@@ -154,6 +206,32 @@ def test_a_killed_joblib_sweep_is_continued(tmp_path):
     # two at a time: job 2 may have started when job 0 ended, just before the kill; it runs (or resumes) either way
     killed_then_continued(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", wait_for_job0=True,
                           one_at_a_time=False)
+
+
+@pytest.mark.slow  # ~60 s: two Optuna sweeps of TensorFlow jobs
+def test_a_killed_optuna_sweep_with_storage_is_continued(tmp_path):
+    sweep, marker = tmp_path / "sweep", tmp_path / "killed"
+    env = {**os.environ, "HYDRA_FULL_ERROR": "", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    env.pop(RESUMING, None)
+    hook = ["+hydra.callbacks.kill._target_=sweep_hooks.KillAfterCheckpoint", "+hydra.callbacks.kill.job=1",
+            f"+hydra.callbacks.kill.marker={marker}"]
+    study = ["experiment=optuna_mlp", *SMALL, "train.steps=4", "train.checkpoint_every=2",
+             "hydra.sweeper.n_trials=3", "hydra.sweeper.storage=sqlite:///optuna.db", "hydra.sweeper.study_name=t"]
+    first = subprocess.run([sys.executable, "-m", "runner", "-m", *study, *hook, f"hydra.sweep.dir={sweep}"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400, start_new_session=True)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    again = subprocess.run([sys.executable, "-m", "runner", f"resume={sweep}"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "1 of 3 trials finished; 1 interrupted" in again.stdout and "2 to run" in again.stdout, again.stdout
+    assert "[sweep] 4 jobs, 3 completed, 1 failed" not in again.stdout  # the interrupted job's folder has no status
+    import optuna
+
+    states = [t.state for t in optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+              .get_trials()]
+    assert states.count(optuna.trial.TrialState.COMPLETE) == 3 and states.count(optuna.trial.TrialState.FAIL) == 1
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir() and (p / JOB_STATUS).is_file()) == ["0", "c1_0",
+                                                                                                     "c1_1"]
 
 
 @pytest.mark.slow  # ~60 s: submitit's local executor starts the 3 jobs at once, in processes of their own

@@ -115,17 +115,66 @@ def sweep_arguments(folder: Path, value, extra: list[str]) -> list[str]:
     except Exception as err:  # noqa: BLE001 - unreadable JSON or YAML, a key missing: one line
         raise ConfigError("resume", value, f"its {SWEEP_RECORD} (or multirun.yaml) cannot be read "
                           f"({type(err).__name__}); not a sweep folder this runner wrote") from None
-    if "optuna" in str(record.get("sweeper") or "").lower():
-        raise ConfigError("resume", value, "an Optuna sweep cannot be continued yet (its sampler would draw other "
-                          "trials for the jobs); start a new sweep")
     changing = [a for a in extra if not a.lstrip("+~").startswith("hydra")]
     if changing:
         raise ConfigError("resume", value, f"continues the sweep as it was launched: {' '.join(changing)} would "
                           f"change its jobs (only Hydra's settings may be added, e.g. hydra.launcher.n_jobs=4)")
     quoted = str(folder).replace("\\", "\\\\").replace("'", "\\'")
     hydra = [o for o in hydra if not o.startswith("hydra.sweep.dir=")] + [f"hydra.sweep.dir='{quoted}'"]
+    if "optuna" in str(record.get("sweeper") or "").lower():
+        continued = optuna_continuation(folder, value, record.get("optuna"))
+        keys = tuple(o.split("=", 1)[0] + "=" for o in continued)
+        hydra = [o for o in hydra if not o.startswith(keys)] + continued
     os.environ[RESUMING] = str(folder.resolve())
     return ["-m", *task, *hydra, *extra]
+
+
+def optuna_continuation(folder: Path, value, study: dict | None) -> list[str]:
+    """An Optuna sweep continued from its study's storage (``hydra.sweeper.storage``): the trials it finished stay
+    in the study (the sampler reads them), trials a kill interrupted are marked failed and asked again first with
+    their parameters (run from the start: Optuna gives a continued trial a new job), and only the trials still
+    missing of ``n_trials`` run, in job folders of their own (``c<k>_<job>``). ``study``: the sweep record's
+    ``storage``, ``study_name`` and ``n_trials``. Returns the Hydra overrides."""
+    try:
+        storage, name, total = study.get("storage"), str(study["study_name"]), int(study["n_trials"])
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise ConfigError("resume", value, f"its {SWEEP_RECORD} holds no Optuna study ({type(err).__name__}); "
+                          f"a sweep from before studies were recorded cannot be continued") from None
+    if not storage:
+        raise ConfigError("resume", value, "this Optuna sweep kept its study in memory (hydra.sweeper.storage=null): "
+                          "its trials ended with the process. Sweeps launched with a storage "
+                          "(hydra.sweeper.storage=sqlite:///optuna.db) can be continued")
+    if str(storage).startswith("sqlite:///") and not Path(str(storage)[len("sqlite:///"):]).is_file():
+        raise ConfigError("resume", value, f"its study's storage {storage} is not found from {Path.cwd()}; run "
+                          f"resume= from the folder the sweep was launched in")
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.load_study(study_name=name, storage=str(storage))
+    except Exception as err:  # noqa: BLE001 - no such study, an unreadable database: one line
+        raise ConfigError("resume", value, f"study {name!r} cannot be loaded from {storage} "
+                          f"({type(err).__name__}: {err})") from None
+    trials = study.get_trials(deepcopy=False)
+    running = [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    finished = sum(1 for t in trials if t.state.is_finished())
+    missing = total - finished
+    if missing <= 0:
+        raise ConfigError("resume", value, f"study {name!r} already has {finished} finished trials of "
+                          f"n_trials={total}: nothing to continue (raise hydra.sweeper.n_trials in a new sweep)")
+    import warnings
+
+    for trial in running:
+        study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+        with warnings.catch_warnings():  # optuna 2.10 marks enqueue_trial experimental
+            warnings.simplefilter("ignore")
+            study.enqueue_trial(trial.params)
+    rounds = 1 + len({p.name.split("_")[0] for p in folder.glob("c*_*") if p.is_dir()})
+    print(f"[sweep] Optuna study {name!r} in {storage}: {finished} of {total} trials finished; "
+          f"{len(running)} interrupted (asked again with their parameters, from the start); {missing} to run",
+          flush=True)
+    subdir = f"c{rounds}_" + "${hydra.job.num}"  # resolved by Hydra per job (an override, not a message)
+    return [f"hydra.sweeper.n_trials={missing}", "hydra.sweep.subdir=" + subdir]
 
 
 def resume_arguments(args: list[str]) -> list[str]:
