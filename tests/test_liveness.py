@@ -143,3 +143,26 @@ def test_a_border_the_backward_reads_is_counted_and_one_it_does_not_is_not():
     graph = _graph(square, spec)
     x, y = names[-1]
     assert read_after(graph, [x], split[-1]) == 1 * MiB and read_after(graph, [y], split[-1]) == 0
+
+
+def test_slots_that_cannot_fit_the_device_are_refused_before_they_are_made():
+    """Making an optimizer's slots past a device's memory fails inside a kernel (VGG16's Adam slots on a 495 MiB
+    device ended the process with SIGSEGV): where they cannot fit, one line says so first."""
+    import pytest
+
+    from sections.step.calibrate import check_variables_fit, slots_per_variable
+
+    assert slots_per_variable(keras.optimizers.Adam()) == 2
+    assert slots_per_variable(keras.optimizers.SGD(momentum=0.9)) == 1
+    assert slots_per_variable(keras.optimizers.SGD()) == 0
+
+    class Net:
+        trainable_variables = [keras.Variable(tf.zeros([256, 1024])), keras.Variable(tf.zeros([256, 512]))]
+
+    adam = keras.optimizers.Adam()
+    check_variables_fit(Net, adam, 10 * MiB, 14 * MiB)  # 10 + 2 x 1.5 + 1 MiB: fits
+    with pytest.raises(ValueError, match=r"the optimizer's 2 slot\(s\) per variable \(3.0 MiB for 1.5 MiB of "
+                                         r"trainable variables\).* need 14.0 MiB, more than the device's 13.0 MiB"):
+        check_variables_fit(Net, adam, 10 * MiB, 13 * MiB)
+    assert not adam.built  # nothing of the real optimizer was made
+    check_variables_fit(Net, adam, 10 * MiB, None)  # no hard limit: nothing to check

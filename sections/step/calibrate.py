@@ -62,6 +62,39 @@ class PlanCosts:
         return cls(nbytes(borders.input_specs), base + borders.batch_bytes, grads, apply, base)
 
 
+def slots_per_variable(optimizer) -> int:
+    """How many variable-sized slots the optimizer keeps per trainable variable (Adam 2, SGD with momentum 1),
+    read from a copy of it built on one small variable: nothing of the real optimizer is built."""
+    import keras
+    import numpy as np
+
+    try:
+        probe = type(optimizer).from_config(optimizer.get_config())
+        variable = keras.Variable(np.zeros((3, 5), "float32"))
+        probe.build([variable])
+    except Exception:  # noqa: BLE001 - an optimizer that cannot be copied so: counted as none
+        return 0
+    return sum(1 for v in probe.variables if tuple(v.shape) == (3, 5))
+
+
+def check_variables_fit(network, optimizer, in_use: int, limit: int | None) -> None:
+    """Before the optimizer's slots are made: refuse in one line where the model's variables and those slots cannot
+    fit the device at all (making them there fails inside a kernel, which can end the process)."""
+    if limit is None or getattr(optimizer, "built", False):
+        return
+    sizes = [nbytes(v) for v in network.trainable_variables]
+    weights, slots = sum(sizes), slots_per_variable(optimizer)
+    # Each slot is made from a zeros tensor of its size, held beside it while it is copied in.
+    need = in_use + slots * weights + (max(sizes, default=0) if slots else 0)
+    if need > limit:
+        hb = rules.human_bytes
+        raise ValueError(f"the optimizer's {slots} slot(s) per variable ({hb(slots * weights)} for {hb(weights)} of "
+                         f"trainable variables), one more of the largest while a slot is made, and the {hb(in_use)} already in use "
+                         f"need {hb(need)}, more than the "
+                         f"device's {hb(limit)}: no partition of the step can fit; a device with more memory, or an "
+                         f"optimizer with fewer slots (SGD), is needed.")
+
+
 @dataclass(frozen=True)
 class Floor:
     """The least memory a step at this batch is predicted to need under any plan (``least``), the part of it that
