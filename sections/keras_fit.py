@@ -45,8 +45,7 @@ class SectionedModel(keras.Model):
         memory_budget: for ``sections="auto"``: bytes, a size such as ``"2GiB"``, or a fraction of the device's
             memory (``0.8``, ``"80%"``); default the device's memory less ``sections.backend.device.HEADROOM``.
         check: compare each re-run's output with its first run and raise on a mismatch.
-        probe_batch: examples the planner's probes run (``sections="auto"``); default the real batch up to 64, else 64
-            times the largest power of two within a quarter of it.
+        probe_batch: no longer used (a warning says so): planning counts costs from traces and measures no block.
         one_graph: compile each step into one graph (``Engine(one_graph=True)``).
         lean: batch norm and some activations with gradients that keep less; ``"recompute"``: also
             convolution and dense inputs re-made in the backward (``Engine(lean=...)``).
