@@ -312,33 +312,3 @@ def profile_blocks(network, small, real: int, meter: MemoryMeter) -> list[BlockP
         ))
         h = out
     return profiles
-
-
-def measure_block(network, batch, j: int, meter: MemoryMeter, lean, upstream: int = 0) -> tuple[int, bool]:
-    """Block ``j``'s forward and backward compiled and run at the batch's own size, state untouched: the most it
-    held beyond what was in use before it ran, less ``upstream`` (its output gradient: the planner counts it held),
-    and whether the device had no memory for it (the figure is then what was in use plus the failing request, a
-    lower bound). Its input comes from a forward of the blocks before it, one at a time (nothing else kept)."""
-    from .device import requested_bytes
-
-    mapping = [(v, tf.identity(v.value)) for v in network.non_trainable_variables]
-    h = batch[network.inputs]
-    base = meter.current()
-    try:
-        with lean_scope(False), keras.StatelessScope(state_mapping=mapping):
-            for block in network.blocks[:j]:
-                h = block(h, batch, training=True)
-        block = network.blocks[j]
-        snapshot = [tf.identity(v.value) for v in block.layer.non_trainable_variables]
-        pb = int(tf.nest.flatten(batch[network.inputs])[0].shape[0])
-        base = meter.current()
-        with lean_scope(lean):
-            _, train = _block_functions(block, batch)
-            train(pb, h, snapshot)  # tracing and kernel set-up
-            used = max(_measure(meter, train, pb, h, snapshot) for _ in range(2))
-        return max(used - upstream, 0), False
-    except tf.errors.ResourceExhaustedError as err:
-        request, _ = requested_bytes(err)
-        release(err)
-        return max(meter.peak() - base, 0) + (request or 0), True
-

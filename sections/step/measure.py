@@ -1,5 +1,4 @@
-"""Measuring for the planner: one block's backward at the real batch, and dry steps of compiled plans (a step run
-with its state restored after). It holds the executor and a way to compile a schedule, never the engine."""
+"""Measuring for the planner: dry steps of compiled plans (a step run with its state restored after). It holds the executor and a way to compile a schedule, never the engine."""
 
 from __future__ import annotations
 
@@ -7,7 +6,6 @@ import time
 from typing import Callable
 
 from ..backend.device import release
-from ..backend.profile import measure_block
 from ..schedule.program import Schedule
 from .section_functions import Compiled
 from .executor import DryStep, Executor
@@ -21,16 +19,8 @@ class Measurer:
         self.network, self.executor, self._compile, self.meter, self.lean = network, executor, compile, meter, lean
         self.current: Compiled | None = None
         self.programs: list = []  # (schedule, Compiled): a plan dry-run once is not compiled again
-        self.seconds = {"block": 0.0, "dry steps": 0.0}
+        self.seconds = {"dry steps": 0.0}
         self.dry_steps = self.ran_out = 0
-
-    def block(self, batch, j: int, upstream: int) -> tuple[int, bool]:
-        """Block ``j``'s backward at the batch's size (``backend.profile.measure_block``)."""
-        began = time.perf_counter()
-        try:
-            return measure_block(self.network, batch, j, self.meter, self.lean, upstream)
-        finally:
-            self.seconds["block"] += time.perf_counter() - began
 
     def use(self, schedule: Schedule) -> Compiled:
         """Make ``schedule``'s program the one that runs (compiled once)."""
