@@ -101,6 +101,11 @@ def test_a_step_asked_not_to_re_plan_raises_out_of_memory_where_auto_would_re_pl
 
     monkeypatch.setattr(engine.executor, "step", out_of_memory)
     monkeypatch.setattr(engine.calibrator, "replan_below", lambda err, b: replanned.append(err))
+    # each out of memory frees the failed step with gc.collect(): a full collection over a test worker's heap (about
+    # a second each, late in a run) and nothing this test reads
+    from sections.backend import device
+
+    monkeypatch.setattr(device.gc, "collect", lambda *args: 0)
     with pytest.raises(OutOfMemory):
         engine.train_step(batch, replan=False)
     assert replanned == []
