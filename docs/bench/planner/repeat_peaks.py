@@ -62,7 +62,7 @@ def child(args) -> None:
                           "sections": [p / 2**20 for p in stats["peak_bytes"]]}), flush=True)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="MobileNetV2")
     parser.add_argument("--alpha", type=float, default=0.6)
@@ -75,7 +75,11 @@ def main() -> None:
     parser.add_argument("--gc-between", action="store_true")
     parser.add_argument("--intra", type=int, default=0, help="intra-op threads (0: TensorFlow's default)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.child:
         return child(args)
     env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "8000",

@@ -1,0 +1,35 @@
+"""The benchmark scripts' documented commands parse (running them takes minutes: they are run by hand)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REPEAT = ROOT / "docs" / "bench" / "planner" / "repeat_peaks.py"
+
+
+def _module(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_repeat_peaks_documented_commands_parse():
+    module = _module(REPEAT)
+    commands = [line.strip() for line in module.__doc__.splitlines() if "repeat_peaks.py" in line and "python" in line]
+    assert len(commands) == 2, commands
+    for command in commands:
+        words = shlex.split(command.split("#")[0])
+        args = module.build_parser().parse_args(words[words.index(next(w for w in words if w.endswith(".py"))) + 1:])
+        assert args.sections == 4 and args.steps == 60
+    assert module.build_parser().parse_args(["--load", "2"]).load == 2
+
+
+def test_repeat_peaks_help_runs_without_tensorflow():
+    proc = subprocess.run([sys.executable, str(REPEAT), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--gc-between" in proc.stdout and "--intra" in proc.stdout, proc.stderr
