@@ -24,8 +24,8 @@ def test_repeat_peaks_documented_commands_parse():
     commands = [line.strip() for line in module.__doc__.splitlines() if "repeat_peaks.py" in line and "python" in line]
     assert len(commands) == 2, commands
     for command in commands:
-        words = shlex.split(command.split("#")[0])
-        args = module.build_parser().parse_args(words[words.index(next(w for w in words if w.endswith(".py"))) + 1:])
+        words = shlex.split(command.split("#")[0])  # python SCRIPT ARGS...
+        args = module.build_parser().parse_args(words[2:])
         assert args.sections == 4 and args.steps == 60
     assert module.build_parser().parse_args(["--load", "2"]).load == 2
 
