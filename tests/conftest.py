@@ -204,9 +204,22 @@ SLOW_CASES = {
 }
 
 
+def stale_slow_cases(collected: list[str], args: list[str]) -> list[str]:
+    """``SLOW_CASES`` ids that name no test of a file collected whole (a renamed test or parameter would otherwise
+    leave its case in the fast set without a word); files narrowed to some tests (``file::test``) are not judged."""
+    narrowed = {arg.split("::")[0] for arg in args if "::" in arg}
+    files = {nodeid.split("::")[0] for nodeid in collected} - narrowed
+    ids = set(collected)
+    return sorted(case for case in SLOW_CASES if case.split("::")[0] in files and case not in ids)
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 
+    stale = stale_slow_cases([item.nodeid for item in items], config.args)
+    if stale:
+        raise pytest.UsageError("tests/conftest.py SLOW_CASES names tests that do not exist (renamed? update "
+                                "the entry): " + ", ".join(stale))
     for item in items:
         if item.nodeid in SLOW_CASES:
             item.add_marker(pytest.mark.slow)

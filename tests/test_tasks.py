@@ -100,3 +100,15 @@ def test_test_all_runs_each_test_file_in_its_own_process(tmp_path, monkeypatch, 
     assert capsys.readouterr().err.strip() == "failed in: test_b.py"
     (tmp_path / "tests" / "test_b.py").write_text("raise SystemExit(0)\n")
     assert tasks.test_files_apart(runner, []) == 0
+
+
+def test_a_slow_case_naming_no_test_is_found_where_its_file_is_collected_whole():
+    import conftest
+
+    case = next(iter(conftest.SLOW_CASES))
+    file, test = case.split("::", 1)
+    renamed = f"{file}::{test}_renamed"
+    assert conftest.stale_slow_cases([renamed], ["tests"]) == [case]
+    assert conftest.stale_slow_cases([case], ["tests"]) == []
+    assert conftest.stale_slow_cases([renamed], [f"{file}::{test}_renamed"]) == []  # narrowed: not judged
+    assert conftest.stale_slow_cases(["tests/test_other.py::test_x"], ["tests"]) == []  # file not collected
