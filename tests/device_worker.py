@@ -5,6 +5,8 @@ TensorFlow loads). `python tests/device_worker.py CASE` prints one JSON line.
   past the device injected into the third step's forward; prints both runs' losses and the re-plans.
 - `restore`: a fitting dry step, two that run out of memory, the fitting one again (bytes in use between).
 - `lean_count`: one lean section's dry step against what its blocks' traces count (``static_blocks``).
+- `apply`: Adam's update of 12 variables of 1 MiB as the engine applies it in the backward (``Executor``): the
+  peak beyond what was in use (the gradients included), and the largest variable's bytes.
 - `fit`: a Keras model under plain `fit` and wrapped in `SectionedModel(model, sections="auto")`, one epoch
   each; prints how each ended and the wrapped run's step peaks.
 """
@@ -157,6 +159,25 @@ def lean_count(batch=256) -> dict:
     return {"counted": count_span(network, engine.borders, 0, len(network.blocks), True), "measured": peak - before}
 
 
+def apply() -> dict:
+    from sections.step.executor import Executor
+
+    variables = [keras.Variable(np.full((256, 1024), 0.5, "float32")) for _ in range(12)]
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build(variables)
+    grads = [tf.fill((256, 1024), 1e-3 * (i + 1)) for i in range(12)]
+    executor = Executor.__new__(Executor)  # only what ``_apply_gradients`` reads
+    executor.optimizer, executor.trainable, executor.apply_reason = optimizer, variables, None
+    executor.replicas = type("OneDevice", (), {"distributed": False})()
+    update = tf.function(lambda g: executor._apply_gradients(g, tuple(range(12)), True))
+    update(grads)  # traced, kernels set up
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = int(tf.config.experimental.get_memory_info("CPU:0")["current"])
+    update(grads)
+    peak = int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    return {"beyond": peak - before, "largest": 256 * 1024 * 4, "iterations": int(optimizer.iterations.numpy())}
+
+
 if __name__ == "__main__":
-    cases = {"recover": recover, "fit": fit, "restore": restore, "lean_count": lean_count}
+    cases = {"recover": recover, "fit": fit, "restore": restore, "lean_count": lean_count, "apply": apply}
     print(json.dumps(cases[sys.argv[1]]()))

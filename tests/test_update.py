@@ -186,3 +186,37 @@ def test_assignment_in_place_gives_the_same_bits(name):
 
     (w1, s1), (w2, s2) = run(True), run(False)
     assert (w1 == w2).all() and all((a == b).all() for a, b in zip(s1, s2))
+
+
+def test_size_groups_pack_consecutive_variables_within_the_largest():
+    from sections.step.update import size_groups
+
+    assert size_groups([4, 1, 1, 2, 3, 1]) == [[0], [1, 2, 3], [4, 5]]
+    assert size_groups([1, 1, 1, 1]) == [[0], [1], [2], [3]]
+    assert size_groups([]) == []
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_an_update_in_groups_equals_one_update_bit_for_bit(partial):
+    """Each group reads the same step count (a schedule, Adam's bias correction) and the count advances once."""
+    from sections.step.update import apply_in_groups
+
+    def make():
+        variables = [keras.Variable(tf.random.stateless_normal(shape, (i, 1))) for i, shape in
+                     enumerate([(8, 8), (3,), (8, 8), (16, 4), (2,), (8, 8)])]
+        grads = [tf.random.stateless_normal(v.shape, (i, 2)) for i, v in enumerate(variables)]
+        optimizer = OPTIMIZERS["adam-schedule"]()
+        optimizer.build(variables)
+        return variables, grads, optimizer
+
+    one, one_grads, one_opt = make()
+    grouped, grouped_grads, grouped_opt = make()
+    step = tf.function(lambda: apply_in_groups(grouped_opt, list(zip(grouped_grads, grouped)),
+                                               [v.shape.num_elements() for v in grouped], partial))
+    for _ in range(2):
+        one_opt.apply_gradients(zip(one_grads, one))
+        if partial:
+            one_opt.iterations.assign_sub(1)
+        step()
+    assert all(bool(tf.reduce_all(a.value == b.value)) for a, b in zip(one, grouped))
+    assert int(grouped_opt.iterations.numpy()) == int(one_opt.iterations.numpy()) == (0 if partial else 2)

@@ -13,10 +13,11 @@ import tensorflow as tf
 from ..backend.device import release, requested_bytes
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import local_size
+from ..backend.structure import nbytes
 from ..schedule.policies import KEEP_INPUT
 from ..schedule.program import FORWARD, HOLD, LOSS, RESUME, kept_policy
 from .section_functions import Compiled
-from .update import assign_in_place
+from .update import apply_in_groups, assign_in_place, why_at_end
 
 # The least a dry step's spread counts as, a fraction of its peak: with oneDNN off, steps read up to 0.2% (150 KiB
 # on a 76 MiB step) over their dry step's two equal runs (kernel scratch of Eigen's thread pool).
@@ -329,10 +330,14 @@ class Executor:
         if self.replicas.distributed:
             # Function arguments carry no device; the all-reduce places by its inputs' devices (each replica's).
             grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
+        pairs = list(zip(grads, [self.trainable[i] for i in idx]))
         with assign_in_place(self.optimizer, not self.replicas.distributed):
-            self.optimizer.apply_gradients(zip(grads, [self.trainable[i] for i in idx]))
-        if partial:
-            self.optimizer.iterations.assign_sub(1)
+            if self.replicas.distributed or why_at_end(self.optimizer) is not None:
+                self.optimizer.apply_gradients(pairs)
+                if partial:
+                    self.optimizer.iterations.assign_sub(1)
+            else:
+                apply_in_groups(self.optimizer, pairs, [nbytes(v) for _, v in pairs], partial)
 
     def _outside_last(self) -> list:
         if self.penalty is None:

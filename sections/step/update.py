@@ -7,7 +7,10 @@ loss scaling (a ``LossScaleOptimizer`` skips the whole step on any non-finite gr
 weight averaging (both act on every variable at once). ``Nadam`` is not one: it keeps a product over steps that
 each ``apply`` call advances.
 
-Either way the optimizer writes its slots in place (``assign_in_place``).
+Either way the optimizer writes its slots in place (``assign_in_place``), and where its update is per variable it
+updates them a group at a time (``size_groups``): TensorFlow runs every ready op, so one call's updates all start
+together and hold their temporaries at once (ResNet50V2's Adam update held 98-103 MiB beyond its 90 MiB of
+gradients, its largest variable 9 MiB).
 """
 
 from __future__ import annotations
@@ -38,6 +41,38 @@ def why_at_end(optimizer, distributed: bool = False, one_graph: bool = False) ->
     if one_graph:
         return "one_graph=True compiles the update into the step"
     return None
+
+
+def size_groups(sizes: list[int]) -> list[list[int]]:
+    """Consecutive indices packed so that each group's bytes stay within the largest size (a larger one alone): the
+    update's temporaries are then a few of the largest variable's, whatever the number of variables."""
+    cap = max(sizes, default=0)
+    groups: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if not groups or total + size > cap:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += size
+    return groups
+
+
+def apply_in_groups(optimizer, pairs: list, sizes: list[int], partial: bool) -> None:
+    """``optimizer.apply_gradients(pairs)`` a ``size_groups`` group at a time inside a traced function, each group's
+    gradients read only once the group before has written its variables; every group reads the same step count,
+    which advances once (not at all where ``partial``: one of a step's several applies)."""
+    groups = size_groups(sizes)
+    done: list = []
+    for n, group in enumerate(groups):
+        chunk = [pairs[i] for i in group]
+        if done:
+            with tf.control_dependencies(done):
+                chunk = [(g if isinstance(g, tf.IndexedSlices) else tf.identity(g), v) for g, v in chunk]
+        optimizer.apply_gradients(chunk)
+        if partial or n < len(groups) - 1:
+            optimizer.iterations.assign_sub(1)
+        done = [tf.identity(v) for _, v in chunk]  # read after the writes (ordered per variable in a tf.function)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,8 @@ child process on TensorFlow's BFC allocator (oneDNN off, one inter-op thread: as
 limit); each step's peak (MiB) and each section's are printed, then the first step against the later ones.
 ``--load K`` runs K busy-looping processes for the child's whole life (a machine shared with other work).
 ``--gc-between`` collects Python's garbage before each step with the collector otherwise off (rules Python's
-collector out as the source of a change). Nothing is asserted.
+collector out as the source of a change). ``--dry N`` runs N dry steps of the plan first (as planning measures
+a plan) and prints their readings beside the steps'. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ def child(args) -> None:
     rng = np.random.default_rng(0)
     batch = {"image": rng.normal(size=(args.batch, size, size, 3)).astype("float32"),
              "label": rng.integers(0, 10, args.batch).astype("int32")}
+    if args.dry:
+        from sections.step.engine import _as_tensors  # what planning hands its dry steps
+
+        engine.build(batch)
+        planned = engine.replicas.split(dict(_as_tensors(network, batch)))
+    for k in range(args.dry):
+        dry = engine.dry_step(planned)
+        print(json.dumps({"dry": k + 1, "peak": dry.peak / 2**20, "spread": dry.spread / 2**20}), flush=True)
     if args.gc_between:
         gc.disable()
     for step in range(args.steps):
@@ -74,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--load", type=int, default=0)
     parser.add_argument("--gc-between", action="store_true")
     parser.add_argument("--intra", type=int, default=0, help="intra-op threads (0: TensorFlow's default)")
+    parser.add_argument("--dry", type=int, default=0, help="dry steps (as planning runs them) before training")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -92,12 +102,17 @@ def main() -> None:
         for p in busy:
             p.kill()
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    drys = [r for r in rows if "dry" in r]
+    rows = [r for r in rows if "step" in r]
     if proc.returncode or not rows:
         sys.exit(f"the child failed ({proc.returncode}): {proc.stderr[-2000:]}")
     peaks = [r["peak"] for r in rows]
     print(f"{args.model} alpha {args.alpha} {args.size}px batch {args.batch}, sections={args.sections}"
           f"{' lean off' if args.no_lean else ''}, load {args.load}{', gc between steps' if args.gc_between else ''}"
           f"{f', {args.intra} intra-op threads' if args.intra else ''}")
+    if drys:
+        print("dry steps (MiB, each the larger of its kept runs ± spread):",
+              " ".join(f"{r['peak']:.1f}±{r['spread']:.1f}" for r in drys))
     print("step peaks (MiB):", " ".join(f"{p:.1f}" for p in peaks))
     later = peaks[1:]
     print(f"first step {peaks[0]:.1f} MiB; later steps: min {min(later):.1f}, median {statistics.median(later):.1f},"
