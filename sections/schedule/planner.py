@@ -82,8 +82,14 @@ class _Chain:
     while it is trained.
     """
 
-    def __init__(self, profiles, input_bytes: int, measured=None, grads=None, calibration: float = 1.0):
+    def __init__(self, profiles, input_bytes: int, measured=None, grads=None, calibration: float = 1.0,
+                 update=None):
         self.n = len(profiles)
+        # ``update``: (each block's gradient bytes, the update's temporaries) where each section's update runs at
+        # the end of its backward: its gradients and its input's gradient, then the update's temporaries beside
+        # them (ResNet50V2's last section: 57 MiB of gradients).
+        blocks, self._update = (None, 0) if update is None else update
+        self._own_grads = np.cumsum([0] + list(blocks or [0] * self.n))
         self.border = [input_bytes] + [p.output_bytes for p in profiles]   # border i enters block i
         self.border[-1] = 0  # the loss: no gradient waits at the end of the chain
         self._kept = np.cumsum([0] + [p.kept_bytes for p in profiles])
@@ -109,10 +115,16 @@ class _Chain:
             active = self.measured.get((s, t))
             if active is None:
                 active = self.calibration * self.estimate(s, t)
-            self._memo[(s, t)] = (active, max(self._transient[s:t]))
+            self._memo[(s, t)] = (max(active, self.at_update(s, t)), max(self._transient[s:t]))
         active, transient = self._memo[(s, t)]
         return SectionProfile(int(scale * active), int(scale * (self._stored[t] - self._stored[s] - self._entry[s])),
                               int(scale * transient), float(self._fwd[t] - self._fwd[s]))
+
+    def at_update(self, s: int, t: int) -> int:
+        """What a section holds while its update runs in the backward (0 where the update runs at the end)."""
+        if not self._update:
+            return 0
+        return int(self._own_grads[t] - self._own_grads[s] + (self.border[s] if s else 0) + self._update)
 
     def seconds(self, s: int, t: int) -> float:
         return float(self._fwd[t] - self._fwd[s])
@@ -223,21 +235,23 @@ class NoPlanFits(ValueError):
 def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, margin: float = 0.1,
                   units=(Store(),), activation_scale: float = 1.0, resolution: int = 300,
                   section_overhead: float | None = None, measured=None, grad_bytes=None,
-                  calibration: float = 1.0, apply_bytes: int = 0, spread: int = 0, extra_bytes: int = 0) -> Plan:
+                  calibration: float = 1.0, apply_bytes: int = 0, spread: int = 0, extra_bytes: int = 0,
+                  update=None) -> Plan:
     """The schedule with the least predicted forward work whose predicted peak fits ``(1 - margin) * budget``.
 
     ``profiles``: per-block costs (``backend.profile.BlockProfile``: output, kept, transient, stored bytes and forward
     seconds, at the real batch). ``units``: policies a section may take besides re-running (each weighed by
     its ``cost``). ``activation_scale`` corrects measured activation bytes (the engine's re-plan). The margin
     covers the model's error. ``measured``, ``grad_bytes``, ``calibration``: as for ``_Chain``. ``apply_bytes``:
-    what the optimizer's update needs beside the base and all gradients. ``spread``: bytes by which repeated
+    what the optimizer's update needs beside the base and all gradients; ``update``: where each section's update
+    runs in its backward, each block's gradient bytes and the update's temporaries (``_Chain``). ``spread``: bytes by which repeated
     measured peaks differed: a plan's prediction plus this fits the margin (the advised budget's too). ``extra_bytes``: memory a measured step held beyond this model
     (the engine's dry steps), added to the base. Raises ``NoPlanFits`` (a
     ValueError) naming the smallest reachable peak and the smallest budget that fits.
     """
     from .program import count_forward_runs
 
-    chain = _Chain(profiles, input_bytes, measured, grad_bytes, calibration)
+    chain = _Chain(profiles, input_bytes, measured, grad_bytes, calibration, update)
     base_bytes += extra_bytes
     total = chain.seconds(0, chain.n)
     overhead = 0.01 * total / max(1, chain.n) if section_overhead is None else section_overhead

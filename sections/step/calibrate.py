@@ -46,11 +46,13 @@ class PlanCosts:
     grad_bytes: list | None
     apply_bytes: int
     model_bytes: int = 0  # of base_bytes, the variables and optimizer slots (what does not grow with the batch)
+    update: tuple | None = None  # in the backward: each block's gradient bytes, the update's temporaries
 
     @classmethod
     def of(cls, network, optimizer, borders: Borders, in_backward: bool) -> "PlanCosts":
-        """In the backward no section waits on a later one's gradients, and each update holds one section's: the
-        update is counted with the largest block's."""
+        """In the backward no section waits on a later one's gradients, and each update holds one section's: each
+        section is counted with its own gradients and the update's temporaries beside them (``update``), the
+        whole step with the largest block's."""
         if not getattr(optimizer, "built", False):
             optimizer.build(network.trainable_variables)
         base = sum(nbytes(v) for v in network.variables) + sum(nbytes(v) for v in optimizer.variables)
@@ -58,7 +60,7 @@ class PlanCosts:
         grads = gradient_bytes(network)
         if in_backward:
             return cls(nbytes(borders.input_specs), base + borders.batch_bytes, None, apply + max(grads, default=0),
-                       base)
+                       base, (tuple(grads), apply))
         return cls(nbytes(borders.input_specs), base + borders.batch_bytes, grads, apply, base)
 
 
@@ -144,7 +146,8 @@ class Calibrator:
             try:
                 plan, refusal = plan_schedule(self.profiles, costs.input_bytes, budget, base_bytes=costs.base_bytes,
                                               margin=0.0, units=UNITS, grad_bytes=costs.grad_bytes,
-                                              apply_bytes=costs.apply_bytes, measured=self.counted), None
+                                              apply_bytes=costs.apply_bytes, measured=self.counted,
+                                              update=costs.update), None
             except NoPlanFits as err:
                 plan, refusal = err.plan, err
             new = [span for span in plan.leaves if span not in self.counted]
