@@ -275,3 +275,15 @@ def test_planning_says_where_its_time_went(caplog):
     assert messages.index("planning: counting 5 blocks' memory from their traces at batch 8") < first_dry
     assert any(m.startswith("planning: 5 blocks, budget 10.0 GiB") for m in messages[:first_dry]), messages
     assert engine.planning_seconds > 0 and len(engine.dry_runs) == 1
+
+
+def test_an_update_in_the_backward_is_counted_with_its_own_sections_gradients():
+    """Each section's update holds its own gradients, its input's gradient and the update's temporaries: a section
+    of many weight-heavy blocks costs its gradients' sum (ResNet50V2's last stage: 57 MiB), not the largest block's."""
+    ps = profiles(n=8, kept=2 * MiB, transient=MiB, out=MiB)
+    update = ([10 * MiB] * 8, 4 * MiB)
+    whole = plan_schedule(ps, MiB, 10**12, margin=0.0, update=update)
+    assert whole.starts == [] and whole.predicted_peak >= 84 * MiB  # 8 x 10 MiB of gradients, 4 of temporaries
+    assert plan_schedule(ps, MiB, 60 * MiB, margin=0.0).starts == []  # counted without: one section "fits"
+    split = plan_schedule(ps, MiB, 60 * MiB, margin=0.0, update=update)
+    assert len(split.starts) >= 1 and split.predicted_peak <= 60 * MiB
