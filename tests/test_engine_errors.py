@@ -112,3 +112,27 @@ def test_a_step_asked_not_to_re_plan_raises_out_of_memory_where_auto_would_re_pl
     with pytest.raises(OutOfMemory):
         engine.train_step(batch)
     assert len(replanned) == 3  # MAX_REPLANS attempts, then it stops
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (3, 3, 512, 160), (600, 700), (1, 1, 1024, 300)])
+def test_a_dry_steps_write_back_covers_every_element_once_in_small_pieces(shape):
+    """A dry step writes the saved state back a piece at a time (a whole large variable converted at once, on a
+    device nearly full after running out, ended the process): every element once, each piece within the limit."""
+    import numpy as np
+
+    from sections.step.executor import WRITE_PIECE, _pieces, host_copy, write_back
+
+    count = np.zeros(shape, np.int64)
+    for index in _pieces(shape, 4):
+        part = count[...] if index is None else count[index]
+        assert index is None or part.nbytes // 2 <= WRITE_PIECE  # int64 here: twice a float32's bytes
+        if index is None:
+            count += 1
+        else:
+            count[index] += 1
+    assert (count == 1).all()
+    variable = keras.Variable(np.arange(np.prod(shape), dtype="float32").reshape(shape))
+    saved = host_copy([variable])
+    variable.assign(np.zeros(shape, "float32"))
+    write_back([variable], saved)
+    assert np.array_equal(variable.numpy(), saved[0])
