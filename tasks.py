@@ -69,10 +69,11 @@ def setup() -> None:
 def main(argv: list[str]) -> int:
     commands = {
         "run": [str(PYTHON), "-m", "runner"],
-        # Two worker processes (tracing is Python on one core: two nearly halve the suite on two cores), a worker
-        # that runs out of tests taking the other's (whole files per worker left one worker idle for the last
-        # half-minute: 6:25 against 5:58 with 914 tests, 2026-11-28); memory is measured per process.
-        "test": [str(PYTHON), "-m", "pytest", "-q", "-m", "not slow", "-n", "2", "--dist", "worksteal",
+        # Three worker processes on two cores: tracing is Python on one core, and some tests mostly wait (the BFC
+        # allocator's 10 s retries, child processes), which a third worker fills (873 tests: 5:03 against 5:58
+        # with two, one after the other, 2026-11-28); a worker that runs out of tests takes another's (whole files
+        # per worker left one idle for the last half-minute); memory is measured per process.
+        "test": [str(PYTHON), "-m", "pytest", "-q", "-m", "not slow", "-n", "3", "--dist", "worksteal",
                  "--durations=10"],
         "test-all": [str(PYTHON), "-m", "pytest", "-q"],
         "setup": None,
