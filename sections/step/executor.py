@@ -353,13 +353,9 @@ class Executor:
             # Function arguments carry no device; the all-reduce places by its inputs' devices (each replica's).
             grads = [g if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
         pairs = list(zip(grads, [self.trainable[i] for i in idx]))
+        per_variable = not self.replicas.distributed and why_at_end(self.optimizer) is None
         with assign_in_place(self.optimizer, not self.replicas.distributed):
-            if self.replicas.distributed or why_at_end(self.optimizer) is not None:
-                self.optimizer.apply_gradients(pairs)
-                if partial:
-                    self.optimizer.iterations.assign_sub(1)
-            else:
-                apply_in_groups(self.optimizer, pairs, [nbytes(v) for _, v in pairs], partial)
+            apply_in_groups(self.optimizer, pairs, [nbytes(v) for _, v in pairs] if per_variable else None, partial)
 
     def _outside_last(self) -> list:
         if self.penalty is None:

@@ -58,11 +58,12 @@ def size_groups(sizes: list[int]) -> list[list[int]]:
     return groups
 
 
-def apply_in_groups(optimizer, pairs: list, sizes: list[int], partial: bool) -> None:
-    """``optimizer.apply_gradients(pairs)`` a ``size_groups`` group at a time inside a traced function, each group's
-    gradients read only once the group before has written its variables; every group reads the same step count,
-    which advances once (not at all where ``partial``: one of a step's several applies)."""
-    groups = size_groups(sizes)
+def apply_in_groups(optimizer, pairs: list, sizes: list[int] | None, partial: bool) -> None:
+    """``optimizer.apply_gradients(pairs)`` a ``size_groups`` group at a time inside a traced function (``sizes``
+    None: one group), each group's gradients read only once the group before has written its variables; every
+    group reads the same step count, which advances once (not at all where ``partial``: one of a step's several
+    applies)."""
+    groups = size_groups(sizes) if sizes is not None else [list(range(len(pairs)))]
     done: list = []
     for n, group in enumerate(groups):
         chunk = [pairs[i] for i in group]
