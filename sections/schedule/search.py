@@ -3,11 +3,10 @@
 The cost model counts each block's bytes from its trace (exact shapes at the real batch); what it cannot see
 (kernels' work buffers, the allocator's rounding) is fitted from measurements: each dry step (and a training step
 over its prediction) gives a point ``(modelled, measured)`` in bytes beyond the base (variables, optimizer slots,
-the batch), and ``fit`` takes the most cautious correction they show. A plan is tried when the line puts it under the budget with a
-margin; a plan runs when its dry step, plus what its repeated runs differed by, is within the budget. At most
-``DRY_STEPS`` dry steps: the plan the model picks for the budget, the one it picks again with the line refitted
-(a faster one only well inside the budget; after one ran out, at most halfway to the least-memory plan), then the
-least-memory plan. A refusal always follows a dry step of the least-memory plan, and names its figure.
+the batch), and ``fit`` takes the most cautious correction they show. The least-memory plan's dry step comes
+first (a refusal rests on it); then the fastest plan the corrected count puts under the budget with a margin (after
+one ran out, at most halfway to the least-memory plan); a plan runs when its dry step, plus what its repeated runs
+differed by, is within the budget. At most ``DRY_STEPS`` dry steps.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ DRY_STEPS = 3
 # A plan is tried when its prediction is this far below the budget: a dry step that runs out of memory costs the
 # allocator's retries (10 s per failing request on TensorFlow's BFC allocator; a minute or more a step).
 MARGIN = 0.10
-EXPLORE_MARGIN = 0.20  # a faster plan than one that fits: tried only this far below the budget
 # Figures below this say more about the allocator's rounding than about the model (oneDNN's CPU allocator counts
 # nothing under 256 KiB; a small net's block read 3x its count at batch 16 and less at 64): not fitted.
 RESOLUTION = 2**20
@@ -42,45 +40,33 @@ class Fit:
     scale: float = 1.0
     extra: int = 0
     kind: str = "the model alone"
-    ratio: float = 0.0  # beyond ``upto`` modelled bytes (no measurement there), at least this times the model
-    upto: int = 0
 
     def predict(self, modelled: int) -> int:
-        line = self.scale * modelled + self.extra
-        return int(max(line, self.ratio * modelled) if modelled > self.upto else line)
+        return int(self.scale * modelled + self.extra)
 
     def room(self, bytes_: float) -> int:
         """The most bytes a plan may model for its prediction to stay within ``bytes_``."""
-        room = (bytes_ - self.extra) / self.scale if self.scale > 0 else 0
-        if self.ratio > 0 and bytes_ / self.ratio > self.upto:
-            room = min(room, max(bytes_ / self.ratio, self.upto))
-        return int(room)
+        return int((bytes_ - self.extra) / self.scale) if self.scale > 0 else 0
 
     def describe(self) -> str:
         from ..rules import human_bytes
 
         sign = "+" if self.extra >= 0 else "-"
-        return (f"{self.kind}: measured = {self.scale:.3g} x counted {sign} {human_bytes(abs(self.extra))}"
-                + (f", and at least {self.ratio:.3g} x counted above {human_bytes(self.upto)}" if self.ratio else ""))
+        return f"{self.kind}: measured = {self.scale:.3g} x counted {sign} {human_bytes(abs(self.extra))}"
 
 
 def fit(points: Sequence[Point]) -> Fit:
-    """Of points of at least ``RESOLUTION`` bytes, the most cautious correction they show: where any measured more
-    than the count, the largest ratio of measured to counted (an out-of-memory point's lower bound included); where
-    all measured less, the count with the smallest of their shortfalls taken off, no lower than the largest plan's
-    ratio above it. A line through two points was tried and failed: counts now within 10-15% of their dry steps,
-    two points 5% apart in count drew ``2.73 x counted - 344 MiB`` (MobileNetV2), which put the next plan 17% off."""
+    """Of points of at least ``RESOLUTION`` bytes, the largest ratio of measured to counted (an out-of-memory
+    point's lower bound included), above or below one alike: the most cautious correction they show. A line
+    through two points was tried and failed (two points 5% apart in count drew ``2.73 x counted - 344 MiB`` on
+    MobileNetV2, which put the next plan 17% off); so did taking a count that measured over as the count less its
+    smallest shortfall: with the least-memory plan measured first, that kept every larger plan at nearly its
+    count where the count was 25% over."""
     usable = [p for p in points if p.modelled >= RESOLUTION and p.measured >= RESOLUTION]
     if not usable:
         return Fit()
-    ratios = [p.measured / p.modelled for p in usable]
-    if max(ratios) >= 1.0:
-        kind = "one measurement's ratio" if len(usable) == 1 else f"the largest of {len(usable)} measured ratios"
-        return Fit(max(ratios), 0, kind)
-    top = max(usable, key=lambda p: p.modelled)
-    shortfall = min(p.modelled - p.measured for p in usable)
-    kind = "one measurement's offset" if len(usable) == 1 else f"the smallest of {len(usable)} measured offsets"
-    return Fit(1.0, -shortfall, kind, ratio=top.measured / top.modelled, upto=top.modelled)
+    kind = "one measurement's ratio" if len(usable) == 1 else f"the largest of {len(usable)} measured ratios"
+    return Fit(max(p.measured / p.modelled for p in usable), 0, kind)
 
 
 @dataclass(frozen=True)
@@ -163,35 +149,34 @@ def decide(search: Search, plan_within: Callable[[int], Candidate | None], least
            spread: int = 0) -> Try | Run | Refuse:
     """The next move: ``plan_within(bytes)``: the planner's fastest candidate whose modelled bytes stay within that
     many (None where none does); ``least()``: its least-memory candidate. ``spread``: what repeated measurements
-    varied by so far."""
-    current = search.fit()
-    target = plan_within(current.room(search.line(spread) - search.base))
-    best = search.best()
-    if best is not None:
-        # A faster plan than one that fits is tried only well inside the budget: the count ranks plans of other
-        # cuts with errors of up to a fifth either way (the small ResNet at 512 on a 436 MiB device: a 3-section
-        # plan counted 357 MiB measured 327, a 2-section one counted 357 ran out), and running out costs minutes.
-        bolder = plan_within(current.room((1.0 - EXPLORE_MARGIN) * search.budget - spread - search.base))
-        if (len(search.steps) < search.max_steps and bolder is not None and not search.tried(bolder)
-                and bolder.work < best.candidate.work):
-            return Try(bolder, "the refitted model puts a faster plan well within the budget")
-        return Run(best)
-    if len(search.steps) >= search.max_steps:
-        return Refuse(_least_step(search, least))
+    varied by so far.
+
+    The least-memory plan is measured first: it is the plan most likely to fit, a refusal must rest on it anyway,
+    and what the count cannot see (the allocator's whole chunks, kernels' buffers: 10-57% over the count on the
+    first plans of four models, and the same plan 302-407 MiB in different processes) is measured where running
+    out is least likely. Where it does not fit, nothing does. Where it fits, the fastest plan the corrected count
+    puts within the budget's line is tried next; after a plan runs out, one at most halfway from the least-memory
+    plan to it. Of the plans that fit, the fastest runs."""
     floor = least()
+    if not search.tried(floor):
+        return Try(floor, "the least-memory plan first: measured where it is most likely to fit")
+    best = search.best()
+    if best is None:
+        return Refuse(_least_step(search, least))
+    if len(search.steps) >= search.max_steps:
+        return Run(best)
+    room = search.fit().room(search.line(spread) - search.base)
     ran_out = [s.candidate.modelled for s in search.steps if s.ran_out]
-    if ran_out and target is not None:
+    if ran_out:
         # A plan that ran out measured a lower bound only: the line through it need not rule out plans nearly as
         # large. The next one lies at most halfway from the least-memory plan to the smallest that ran out.
-        halfway = floor.modelled + (min(ran_out) - floor.modelled) // 2
-        target = plan_within(min(current.room(search.line(spread) - search.base), halfway))
-    # The last dry step left is the least-memory plan's: a refusal always rests on it.
-    if len(search.steps) < search.max_steps - 1 and target is not None and not search.tried(target):
-        return Try(target, "the fastest plan the model puts within the budget"
-                   if not search.steps else "the refitted model's plan for the budget")
-    if not search.tried(floor):
-        return Try(floor, "the least-memory plan (no plan the model puts within the budget fitted)")
-    return Refuse(_least_step(search, least))
+        room = min(room, floor.modelled + (min(ran_out) - floor.modelled) // 2)
+    target = plan_within(room)
+    if target is not None and not search.tried(target) and target.work < best.candidate.work:
+        why = ("the fastest plan the measured correction puts within the budget" if not ran_out else
+               "a plan at most halfway from the least-memory plan to the one that ran out")
+        return Try(target, why)
+    return Run(best)
 
 
 def _least_step(search: Search, least: Callable[[], Candidate]) -> DryStep | None:

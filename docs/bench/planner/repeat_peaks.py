@@ -58,6 +58,9 @@ def child(args) -> None:
 
         engine.build(batch)
         planned = engine.replicas.split(dict(_as_tensors(network, batch)))
+    import contextlib
+    scope = (tf.experimental.function_executor_type(args.executor) if args.executor else contextlib.nullcontext())
+    scope.__enter__()
     for k in range(args.dry):
         dry = engine.dry_step(planned)
         print(json.dumps({"dry": k + 1, "peak": dry.peak / 2**20, "spread": dry.spread / 2**20}), flush=True)
@@ -84,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gc-between", action="store_true")
     parser.add_argument("--intra", type=int, default=0, help="intra-op threads (0: TensorFlow's default)")
     parser.add_argument("--dry", type=int, default=0, help="dry steps (as planning runs them) before training")
+    parser.add_argument("--executor", default="", help="TensorFlow's executor for function calls (e.g. "
+                        "SINGLE_THREADED_EXECUTOR; default: TensorFlow's)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return parser
 
