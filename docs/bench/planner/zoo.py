@@ -75,8 +75,9 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
     out = {"model": model, "batch": batch_size, "engine": engine_kind}
     try:
         engine.build(batch)
-    except Exception as err:  # a refusal: its one line
-        out.update(refused=str(err)[:400], build_seconds=time.perf_counter() - began)
+    except Exception as err:  # a refusal: its one line, and the dry steps it rests on
+        out.update(refused=str(err)[:400], build_seconds=time.perf_counter() - began,
+                   dry_runs=getattr(engine, "dry_runs", []) if engine_kind != "whole" else [])
         return out
     out["build_seconds"] = time.perf_counter() - began
     if engine_kind != "whole":
@@ -127,12 +128,13 @@ def main() -> None:
             limit = int(fraction * peak / mib)
             runs = [run(model, "auto", args.steps, limit) for _ in range(args.processes)]
             for r in runs:
-                if "refused" in r or "crashed" in r:
-                    print(f"  {fraction:.1f} ({limit} MiB): {r.get('refused') or r}")
-                    continue
-                dry = r["dry_runs"]
+                dry = r.get("dry_runs", [])
                 pairs = ", ".join(f"{d['predicted'] / mib:.1f}->{d['measured'] / mib:.1f}"
                                   + (" OOM" if d["ran_out"] else "") for d in dry)
+                if "refused" in r or "crashed" in r:
+                    steps = f" [{len(dry)} dry steps ({sum(d['ran_out'] for d in dry)} out of memory): {pairs}]"
+                    print(f"  {fraction:.1f} ({limit} MiB): {r.get('refused') or r}{steps if dry else ''}")
+                    continue
                 t = statistics.median(r["step_seconds"][1:] or r["step_seconds"])
                 print(f"  {fraction:.1f} ({limit} MiB): {r['sections']} sections, forward runs {r['forward_runs']}, "
                       f"planning {r['planning_seconds']:.1f} s, {len(dry)} dry steps "
