@@ -26,7 +26,6 @@ from ..backend.device import OutOfMemory
 from ..backend.precision import unscale
 from ..telemetry import StepReading
 from .base import Trainer, _as_tensors
-from .executor import host_copy, write_back
 from .update import assign_in_place
 
 REASON = "gradients are summed over {count} micro-batches (micro_batch={micro_batch}) and applied once per batch"
@@ -161,22 +160,9 @@ class MicroBatched:
         try:
             if not (replan and calibrator is not None and trainer.device_memory.hard):
                 return self._step(parts)
-            from .calibrate import MAX_REPLANS
+            from .calibrate import replanning
 
-            state = [*trainer.network.variables, *trainer.executor.extra_state(), *trainer.optimizer.variables]
-            saved = host_copy(state)
-            for attempt in range(MAX_REPLANS + 1):
-                try:
-                    return self._step(parts)
-                except tf.errors.ResourceExhaustedError as failed:
-                    err = OutOfMemory.from_error(failed, trainer.meter, trainer.device_memory)
-                    del failed
-                    write_back(state, saved)
-                    trainer.read_counters()
-                    if attempt == MAX_REPLANS:
-                        raise err from None
-                    calibrator.replan_below(err, parts[0])
-            raise AssertionError("unreachable")
+            return replanning(trainer, lambda: self._step(parts), parts[0])
         except tf.errors.ResourceExhaustedError as err:
             raise OutOfMemory.from_error(err, trainer.meter, trainer.device_memory) from None
 

@@ -17,7 +17,7 @@ from ..backend.profile import gradient_bytes
 from ..backend.structure import nbytes
 from ..schedule.planner import NoPlanFits, Plan, plan_schedule
 from ..schedule.search import Candidate, DryStep, Point, Refuse, Run, Search, Try, decide
-from .executor import DRY_NOISE
+from .executor import DRY_NOISE, host_copy, write_back
 from .measure import Measurer
 from .section_functions import Borders
 
@@ -366,6 +366,27 @@ class Calibrator:
     def log_replan(self, message: str) -> None:
         self.replans.append(message)
         log.warning(message)
+
+
+def replanning(trainer, run, plan_batch, adopted=lambda: None):
+    """``run()`` with the state saved before it: where it runs out of memory, the state is written back,
+    ``trainer.calibrator`` re-plans below what it reached (dry steps on ``plan_batch``), ``adopted()`` takes up the
+    new plan, and it runs again, up to ``MAX_REPLANS`` times; then ``OutOfMemory`` (read as it failed)."""
+    state = [*trainer.network.variables, *trainer.executor.extra_state(), *trainer.optimizer.variables]
+    saved = host_copy(state)
+    for attempt in range(MAX_REPLANS + 1):
+        try:
+            return run()
+        except tf.errors.ResourceExhaustedError as failed:
+            err = OutOfMemory.from_error(failed, trainer.meter, trainer.device_memory)
+            del failed
+            write_back(state, saved)
+            trainer.read_counters()
+            if attempt == MAX_REPLANS:
+                raise err from None
+            trainer.calibrator.replan_below(err, plan_batch)
+            adopted()
+    raise AssertionError("unreachable")
 
 
 def _sections(plan: Plan) -> str:

@@ -11,8 +11,6 @@ import time
 from dataclasses import replace
 from typing import Callable, Sequence
 
-import tensorflow as tf
-
 from .. import rules
 from ..allocator import kernel_crash_warning
 from ..backend.device import OutOfMemory
@@ -21,9 +19,9 @@ from ..network.network import Network
 from ..schedule.policies import Recompute, resolve
 from ..schedule.program import Schedule
 from .base import Trainer, _as_tensors
-from .calibrate import MAX_REPLANS, BudgetExceededError, Calibrator, PlanCosts, check_variables_fit
+from .calibrate import BudgetExceededError, Calibrator, PlanCosts, check_variables_fit, replanning
 from .section_functions import Compiled, ReplayMismatchError, compile_schedule
-from .executor import DryStep, Executor, WeightPenalty, host_copy, write_back
+from .executor import DryStep, Executor, WeightPenalty
 from .measure import Measurer
 from .update import why_at_end
 
@@ -275,21 +273,10 @@ class Engine(Trainer):
         on the host each step), so its loss is an uninterrupted run's; anywhere else it raises ``OutOfMemory``."""
         if not (self.calibrator is not None and self.device_memory.hard and not self.replicas.distributed):
             return self._run_step(batch)
-        state = [*self.network.variables, *self.executor.extra_state(), *self.optimizer.variables]
-        saved = host_copy(state)
-        for attempt in range(MAX_REPLANS + 1):
-            try:
-                return self._run_step(batch)
-            except tf.errors.ResourceExhaustedError as failed:
-                err = OutOfMemory.from_error(failed, self.meter, self.device_memory)
-                del failed
-                write_back(state, saved)
-                self.read_counters()
-                if attempt == MAX_REPLANS:
-                    raise
-                self.calibrator.replan_below(err, batch)
-                self.compiled = self.calibrator.measurer.current
-        raise AssertionError("unreachable")
+        return replanning(self, lambda: self._run_step(batch), batch, self._take_up_replan)
+
+    def _take_up_replan(self) -> None:
+        self.compiled = self.calibrator.measurer.current
 
     def _step_as_compiled(self, batch):
         return self._run_step(batch)
