@@ -2,8 +2,6 @@
 deterministic, says what is reachable, and re-plans when a measured step exceeds its prediction."""
 
 import functools
-import math
-from dataclasses import replace
 import random
 
 import keras
@@ -207,58 +205,6 @@ def test_every_step_is_checked_against_the_budget(monkeypatch):
     with pytest.raises(BudgetExceededError, match=r"measured step peak .* exceeded the plan's prediction .* and "
                                                   r"the budget 64\.0 MiB; with the model refitted to it no plan fits"):
         engine.train_step(batch)
-
-
-def test_plans_use_measured_sections_and_name_every_one_they_measured():
-    """The sum of per-block figures is only an estimate: every section a plan re-runs is measured as one compiled
-    run, and the plan's prediction is made of those figures (here a fake probe, so the arithmetic is exact)."""
-    from sections.schedule.planner import plan_measured
-
-    ps = profiles(n=8, kept=10 * MiB, transient=4 * MiB, out=2 * MiB)
-    calls = []
-
-    def measure(s, t):  # sections hold 60% of the blocks' sum
-        calls.append((s, t))
-        return int(0.6 * (10 * MiB * (t - s) + 4 * MiB))
-
-    plan = plan_measured(ps, MiB, 60 * MiB, measure, units=())
-    assert set(plan.leaves) <= set(calls) and len(calls) == len(set(calls))
-    alone = plan_schedule(ps, MiB, 60 * MiB, units=())
-    assert plan.schedule.num_sections < alone.schedule.num_sections  # the estimate over-predicted: fewer cuts
-    assert plan.predicted_peak <= 0.9 * 60 * MiB
-
-
-@pytest.mark.parametrize("seed", [8, 29])
-def test_a_section_that_could_not_set_the_peak_is_left_estimated(monkeypatch, seed):
-    """Each measurement traces and runs a section (on ResNet50 at batch 240, 4-45 s): one whose activations could
-    not push its plan over the fit line, even at ``HIGHER`` times the largest measured/estimated ratio seen, is
-    not measured, and the plan still fits its line on what was measured and estimated."""
-    from sections.schedule import planner
-
-    rng = random.Random(seed)
-    ps = random_profiles(rng, 12)
-    budget = rng.randint(40, 120) * MiB
-    chain = planner._Chain(ps, MiB)
-    ratio = {}
-
-    def measure(s, t, calls):
-        calls.append((s, t))
-        return int(ratio.setdefault((s, t), random.Random(f"{seed} {s} {t}").uniform(0.5, 1.0)) * chain.estimate(s, t))
-
-    every: list = []
-    with monkeypatch.context() as m:
-        m.setattr(planner, "_could_set_the_peak", lambda plan, spans, *rest: spans)
-        all_measured = planner.plan_measured(ps, MiB, budget, lambda s, t: measure(s, t, every), units=())
-    calls: list = []
-    plan = planner.plan_measured(ps, MiB, budget, lambda s, t: measure(s, t, calls), units=())
-    assert len(calls) < len(every), (calls, every)
-    line = (1 - plan.margin) * budget
-    assert all_measured.predicted_peak <= line and plan.predicted_peak <= line
-    high = planner.HIGHER * max(ratio[k] for k in calls)
-    for span, beside in zip(plan.leaves, plan.leaf_held):
-        if span not in calls:
-            assert beside + high * chain.estimate(*span) <= line, span
-    assert plan.measured_sections == sum(span in calls for span in plan.leaves)
 
 
 def test_planning_says_where_its_time_went(caplog):

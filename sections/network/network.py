@@ -82,9 +82,6 @@ class Network:
         bad = {k: v for k, v in self.boundaries.items() if not isinstance(v, int) or not 0 <= v < len(names)}
         if bad:
             raise ValueError(f"boundaries must map names to block indices 0..{len(names) - 1}; got {bad}.")
-        # The planner's probe figures, per probe slice, kept across the engines built on this network
-        # (``backend.profile.ProbeMemo``: ``batch=max`` plans one engine per trial batch).
-        self.probe_memos: dict = {}
 
     def boundary_starts(self, names: Sequence[str]) -> list[int]:
         """Block indices where sections 1.. start, for a list of boundary names (ValueError naming the

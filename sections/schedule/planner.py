@@ -46,7 +46,7 @@ class Plan:
     budget: int
     base_bytes: int
     forward_runs: tuple
-    leaves: tuple = ()  # (start, stop) block spans run as re-run sections (measured by plan_measured)
+    leaves: tuple = ()  # (start, stop) block spans run as re-run sections (each counted from its own trace)
     margin: float = 0.1
     measured_sections: int = 0  # sections of this plan whose activations were measured as one run
     extra_bytes: int = 0  # a dry step's measured peak minus the model's (included in base_bytes; may be < 0)
@@ -76,8 +76,8 @@ class Plan:
 class _Chain:
     """Prefix sums over blocks, so any run of blocks gets its costs in O(1).
 
-    ``measured``: activation bytes of whole sections ``{(s, t): bytes}`` measured as one compiled run (the
-    probe's ``SectionProbe``); a section not measured is estimated from its blocks' figures times
+    ``measured``: activation bytes of whole sections ``{(s, t): bytes}`` counted from the section's own trace
+    (``Calibrator.count_span``); a section not in it is estimated from its blocks' figures times
     ``calibration``. ``grads``: each block's gradient bytes; the gradients of blocks after a segment are held
     while it is trained.
     """
@@ -320,7 +320,7 @@ def _least_memory(chain: _Chain, units: list, scale: float) -> float:
 def least_peak(profiles, input_bytes: int, base_bytes: int = 0, units=(Store(),), activation_scale: float = 1.0,
                measured=None, grad_bytes=None, apply_bytes: int = 0, extra_bytes: int = 0) -> int:
     """The smallest peak any schedule is predicted to reach (what ``NoPlanFits.smallest`` names), sections not in
-    ``measured`` estimated at the median ratio measured/estimated, as ``plan_measured`` plans. It grows with the
+    ``measured`` estimated at the median ratio measured/estimated. It grows with the
     batch where the activations do: ``batch=max`` searches for the batch whose floor meets the budget."""
     chain = _Chain(profiles, input_bytes, measured, grad_bytes)
     ratios = _ratios(chain, chain.measured) or [1.0]
@@ -333,64 +333,3 @@ def _ratios(chain: _Chain, measured: dict) -> list:
     """Measured over estimated activations of each section measured, sorted. A section the device had no memory to
     measure (``DOES_NOT_FIT``) says nothing about the others' costs."""
     return sorted(measured[k] / max(1, chain.estimate(*k)) for k in measured if measured[k] < DOES_NOT_FIT)
-
-
-def plan_measured(profiles, input_bytes: int, budget: int, measure, max_rounds: int = 12, spread=None,
-                  **options) -> Plan:
-    """``plan_schedule`` whose chosen sections are measured: plan, measure each re-run section of the plan that
-    was estimated (``measure(s, t)``: its activation bytes as one compiled run) and could set its peak
-    (``_could_set_the_peak``), plan again with those figures, until no such section is left unmeasured (or
-    ``max_rounds``). Sections not measured are
-    estimated from their blocks times the median ratio measured/estimated so far. When nothing fits, the
-    schedule reaching the smallest peak is measured the same way (two rounds; then the largest ratio
-    estimates what is left) before the error names it. ``spread()``: the
-    bytes by which the probe's repeated runs of one section differed so far."""
-    measured: dict = {}
-    chain = _Chain(profiles, input_bytes)
-    margin = options.pop("margin", 0.1)
-    refusals, error = 0, None
-    for _ in range(max_rounds):
-        found = _ratios(chain, measured)
-        ratios = found or [1.0]
-        # Refused twice: the schedules near the floor have many small sections, and measuring each round's new
-        # ones would not end soon; the rest are estimated by the largest ratio seen, so the advice errs high.
-        calibration = ratios[-1] if refusals >= 2 else ratios[len(ratios) // 2]
-        # A step's peak moves with the executor's op order: plans keep the spread measured below the margin.
-        kwargs = dict(options, measured=measured, calibration=calibration, margin=margin,
-                      spread=spread() if spread is not None else 0)
-        try:
-            plan = plan_schedule(profiles, input_bytes, budget, **kwargs)
-            error = None
-        except NoPlanFits as err:
-            plan, error = err.plan, err
-            refusals += 1
-            if refusals > 2:
-                raise
-        new = [span for span in plan.leaves if span not in measured]
-        if error is None and found:
-            new = _could_set_the_peak(plan, new, chain, found[-1], kwargs["spread"],
-                                      options.get("activation_scale", 1.0))
-        if not new:
-            if error is not None:
-                raise error
-            return plan
-        for span in new:
-            measured[span] = measure(*span)
-    if error is not None:
-        raise error
-    return plan
-
-
-HIGHER = 1.25  # how far above the largest measured/estimated ratio so far an unmeasured section is assumed to reach
-
-
-def _could_set_the_peak(plan: Plan, spans: list, chain: _Chain, ratio: float, spread: int, scale: float) -> list:
-    """Of a fitting plan's unmeasured ``spans``, those that could still break its fit line
-    (``(1 - margin) * budget - spread``) if their activations were ``HIGHER`` times ``ratio``, the largest ratio of
-    measured to estimated seen so far: measuring the others could not change whether the plan fits, and each
-    measurement traces and runs a section (on keras.applications ResNet50 at batch 240, 2-48 s each; dozens a
-    plan). (Before anything is measured the caller measures every span.)"""
-    line = (1.0 - plan.margin) * plan.budget - spread
-    beside = dict(zip(plan.leaves, plan.leaf_held))
-    high = HIGHER * ratio * scale
-    return [span for span in spans if beside[span] + high * chain.estimate(*span) > line]

@@ -1,4 +1,4 @@
-"""Time the phases of sections=auto planning, one line per block probe, section probe and dry step (the planner's
+"""Time the phases of sections=auto planning, one line per count of the blocks, compile and dry step (the planner's
 own summary line says the totals): `PYTHONPATH=. python docs/bench/device/timeplan.py <runner overrides>`.
 Set TF_CPU_ALLOCATOR_USE_BFC=true TF_ENABLE_ONEDNN_OPTS=0 with TF_CPU_BFC_MEM_LIMIT_IN_MB yourself: this wrapper
 imports TensorFlow before the runner can set them."""
@@ -15,10 +15,9 @@ def wrap(mod, cls, name, label):
             T[label] += time.perf_counter() - t; N[label] += 1
             print(f"[timeplan] {label} #{N[label]} {time.perf_counter()-t:.1f}s", file=sys.stderr, flush=True)
     setattr(owner, name, g)
-import sections.backend.profile as P, sections.step.calibrate as C, sections.step.engine as E, sections.step.executor as X
-wrap(C, None, "profile_blocks", "profile_blocks")
-wrap(P, "SectionProbe", "_measure", "section_probe")
-wrap(E, "Engine", "compile", "compile")
+import sections.step.engine as E, sections.step.executor as X
+wrap(E, None, "static_blocks", "static_blocks")
+wrap(E, None, "compile_schedule", "compile")
 wrap(X, "Executor", "dry_step", "dry_step")
 wrap(E, "Engine", "build", "build")
 import atexit
