@@ -65,8 +65,7 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
         net = build_keras_hub(args["name"], args=args["args"], vocab_size=256, seq_len=shape[0])
     if kind == "keras_hub":
         tokens = tf.random.uniform((batch_size, shape[0] + 1), 0, 256, dtype=tf.int32)
-        batch = {"tokens": tokens}
-        batch = {k: v for k, v in batch.items()}
+        batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}  # next-token prediction
     else:
         batch = {"image": tf.random.uniform((batch_size, *shape)), "label": tf.range(batch_size) % 10}
     opt = keras.optimizers.Adam(1e-3)
