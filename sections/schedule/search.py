@@ -11,6 +11,7 @@ differed by, is within the budget. At most ``DRY_STEPS`` dry steps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -35,38 +36,60 @@ class Point:
 
 @dataclass(frozen=True)
 class Fit:
-    """``measured ~ scale * modelled + extra`` (bytes beyond the base); ``kind`` says how it was drawn."""
+    """``measured ~ ratio(modelled) * modelled`` (bytes beyond the base), from measured points ``knots``
+    (``(modelled, ratio)``, ascending): a plan's ratio is its nearest point's, the larger of the two around it
+    between points, the last one's past the last. No points: the count itself."""
 
-    scale: float = 1.0
-    extra: int = 0
+    knots: tuple = ()
     kind: str = "the model alone"
 
+    def ratio(self, modelled: int) -> float:
+        if not self.knots:
+            return 1.0
+        below = [r for m, r in self.knots if m <= modelled]
+        above = [r for m, r in self.knots if m >= modelled]
+        return max(([below[-1]] if below else []) + ([above[0]] if above else []))
+
     def predict(self, modelled: int) -> int:
-        return int(self.scale * modelled + self.extra)
+        return int(self.ratio(modelled) * modelled)
 
     def room(self, bytes_: float) -> int:
-        """The most bytes a plan may model for its prediction to stay within ``bytes_``."""
-        return int((bytes_ - self.extra) / self.scale) if self.scale > 0 else 0
+        """The most bytes a plan may model for every prediction up to it to stay within ``bytes_``."""
+        if bytes_ <= 0:
+            return 0
+        edges = [0, *(m for m, _ in self.knots), math.inf]
+        room = 0
+        for lo, hi in zip(edges, edges[1:]):  # between two points the ratio is one number
+            reach = bytes_ / self.ratio((lo + hi) / 2 if math.isfinite(hi) else lo + 1)
+            if reach < hi:
+                return int(max(room, reach))
+            room = hi
+        return int(room)
 
     def describe(self) -> str:
         from ..rules import human_bytes
 
-        sign = "+" if self.extra >= 0 else "-"
-        return f"{self.kind}: measured = {self.scale:.3g} x counted {sign} {human_bytes(abs(self.extra))}"
+        if not self.knots:
+            return f"{self.kind}: measured = counted"
+        return f"{self.kind}: measured = " + ", ".join(f"{r:.3g} x counted at {human_bytes(m)}" for m, r in self.knots)
 
 
 def fit(points: Sequence[Point]) -> Fit:
-    """Of points of at least ``RESOLUTION`` bytes, the largest ratio of measured to counted (an out-of-memory
-    point's lower bound included), above or below one alike: the most cautious correction they show. A line
+    """Of points of at least ``RESOLUTION`` bytes, each plan's ratio of measured to counted (an out-of-memory
+    point's lower bound included; the largest where one plan was measured more than once), read by ``Fit`` from
+    the points nearest a plan's count. The ratio is not one number: the least-memory plan (many small sections)
+    read 1.48x its count on GPT-2 and a 2-section plan 0.81x, so the first ratio alone kept a 1-section plan that
+    fitted out of reach; and the ratio can rise with the plan, so past the largest point its ratio holds. A line
     through two points was tried and failed (two points 5% apart in count drew ``2.73 x counted - 344 MiB`` on
-    MobileNetV2, which put the next plan 17% off); so did taking a count that measured over as the count less its
-    smallest shortfall: with the least-memory plan measured first, that kept every larger plan at nearly its
-    count where the count was 25% over."""
+    MobileNetV2, which put the next plan 17% off)."""
     usable = [p for p in points if p.modelled >= RESOLUTION and p.measured >= RESOLUTION]
     if not usable:
         return Fit()
-    kind = "one measurement's ratio" if len(usable) == 1 else f"the largest of {len(usable)} measured ratios"
-    return Fit(max(p.measured / p.modelled for p in usable), 0, kind)
+    ratios: dict = {}
+    for p in usable:
+        ratios[p.modelled] = max(ratios.get(p.modelled, 0.0), p.measured / p.modelled)
+    kind = "one measurement" if len(usable) == 1 else f"{len(ratios)} measured plans"
+    return Fit(tuple(sorted(ratios.items())), kind)
 
 
 @dataclass(frozen=True)

@@ -198,15 +198,6 @@ class Calibrator:
         return self._candidate(self._least_plan())
 
     # ------------------------------------------------------------------ figures
-    @property
-    def activation_scale(self) -> float:
-        return self.search.fit().scale
-
-    @property
-    def fixed_extra(self) -> int:
-        """Bytes the fitted line adds to every plan (work buffers, the allocator), beside the scale."""
-        return self.search.fit().extra
-
     def spread(self) -> int:
         """What repeated runs of a dry step varied by (at least ``DRY_NOISE`` of the budget's line)."""
         spreads = [s.spread for s in self.search.steps if not s.ran_out]
@@ -270,8 +261,9 @@ class Calibrator:
         plan = self._plan_of(step.candidate)
         self.measurer.use(plan.schedule)
         self.measurer.forget()
+        # What its dry step held beyond its count: the allocator's chunks and kernels' buffers no trace shows.
         self.plan = replace(plan, predicted_peak=max(step.peak, plan.apply_peak), budget=self.budget,
-                            extra_bytes=self.fixed_extra, margin=self.search.margin())
+                            extra_bytes=max(0, step.peak - plan.predicted_peak), margin=self.search.margin())
         self.refusal = None
 
     def _refuse(self, move: Refuse) -> None:

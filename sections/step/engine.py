@@ -165,11 +165,6 @@ class Engine(Trainer):
         return self.calibrator.replans if self.calibrator is not None else []
 
     @property
-    def fixed_extra(self) -> int:
-        """Bytes a dry step measured beside the computed base (what the cost model leaves out)."""
-        return self.calibrator.fixed_extra if self.calibrator is not None else 0
-
-    @property
     def planning_seconds(self) -> float | None:
         """Seconds ``sections="auto"`` spent planning (probes and dry steps), else None."""
         return self.calibrator.planning_seconds() if self.calibrator is not None else None
