@@ -103,6 +103,9 @@ def run(model: str, engine_kind: str, steps: int, limit_mib: int | None) -> dict
                           capture_output=True, text=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if not lines:
+        if "ResourceExhaustedError" in proc.stderr and "engine.build" not in proc.stderr:
+            return {"model": model, "engine": engine_kind,
+                    "refused": "the device ran out building the model itself, before any engine"}
         return {"model": model, "engine": engine_kind, "crashed": proc.returncode, "tail": proc.stderr[-800:]}
     return json.loads(lines[-1])
 
