@@ -49,7 +49,7 @@ class Plan:
     leaves: tuple = ()  # (start, stop) block spans run as re-run sections (each counted from its own trace)
     margin: float = 0.1
     measured_sections: int = 0  # sections of this plan whose activations were measured as one run
-    extra_bytes: int = 0  # a dry step's measured peak minus the model's (included in base_bytes; may be < 0)
+    extra_bytes: int = 0  # a dry step's measured peak minus the model's (may be < 0)
     apply_peak: int = 0  # the optimizer update's predicted peak (every gradient at once), which a dry step skips
     leaf_held: tuple = ()  # per span of ``leaves``: the bytes held beside its activations while it runs backward
 

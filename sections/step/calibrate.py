@@ -261,9 +261,9 @@ class Calibrator:
         plan = self._plan_of(step.candidate)
         self.measurer.use(plan.schedule)
         self.measurer.forget()
-        # What its dry step held beyond its count: the allocator's chunks and kernels' buffers no trace shows.
+        # What its dry step held beyond its count (the allocator's chunks, kernels' buffers; below it: negative).
         self.plan = replace(plan, predicted_peak=max(step.peak, plan.apply_peak), budget=self.budget,
-                            extra_bytes=max(0, step.peak - plan.predicted_peak), margin=self.search.margin())
+                            extra_bytes=step.peak - plan.predicted_peak, margin=self.search.margin())
         self.refusal = None
 
     def _refuse(self, move: Refuse) -> None:

@@ -58,9 +58,8 @@ def child(args) -> None:
 
         engine.build(batch)
         planned = engine.replicas.split(dict(_as_tensors(network, batch)))
-    import contextlib
-    scope = (tf.experimental.function_executor_type(args.executor) if args.executor else contextlib.nullcontext())
-    scope.__enter__()
+    if args.executor:  # for the rest of the process: every dry step and step below
+        tf.experimental.function_executor_type(args.executor).__enter__()
     for k in range(args.dry):
         dry = engine.dry_step(planned)
         print(json.dumps({"dry": k + 1, "peak": dry.peak / 2**20, "spread": dry.spread / 2**20}), flush=True)

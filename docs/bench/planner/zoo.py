@@ -51,18 +51,11 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
 
     kind, args, batch_size, shape = ZOO[model]
     keras.utils.set_random_seed(0)
-    if kind == "resnet":
-        from models.resnet import build_resnet
-
-        net = build_resnet(num_classes=10)
-    elif kind == "keras_app":
-        from models.keras_app import build_keras_app
-
-        net = build_keras_app(args["name"], num_classes=10, input_shape=list(shape))
-    else:
-        from models.keras_hub import build_keras_hub
-
-        net = build_keras_hub(args["name"], args=args["args"], vocab_size=256, seq_len=shape[0])
+    try:
+        net = _build(kind, args, shape)
+    except tf.errors.ResourceExhaustedError:  # the weights' initializers alone do not fit the device
+        return {"model": model, "batch": batch_size, "engine": engine_kind,
+                "refused": "the device ran out building the model itself, before any engine"}
     if kind == "keras_hub":
         tokens = tf.random.uniform((batch_size, shape[0] + 1), 0, 256, dtype=tf.int32)
         batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}  # next-token prediction
@@ -95,6 +88,21 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
     return out
 
 
+def _build(kind: str, args: dict, shape: tuple):
+    """The zoo entry's network, random weights."""
+    if kind == "resnet":
+        from models.resnet import build_resnet
+
+        return build_resnet(num_classes=10)
+    if kind == "keras_app":
+        from models.keras_app import build_keras_app
+
+        return build_keras_app(args["name"], num_classes=10, input_shape=list(shape))
+    from models.keras_hub import build_keras_hub
+
+    return build_keras_hub(args["name"], args=args["args"], vocab_size=256, seq_len=shape[0])
+
+
 def run(model: str, engine_kind: str, steps: int, limit_mib: int | None) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     if limit_mib is not None:
@@ -103,9 +111,6 @@ def run(model: str, engine_kind: str, steps: int, limit_mib: int | None) -> dict
                           capture_output=True, text=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if not lines:
-        if "ResourceExhaustedError" in proc.stderr and "engine.build" not in proc.stderr:
-            return {"model": model, "engine": engine_kind,
-                    "refused": "the device ran out building the model itself, before any engine"}
         return {"model": model, "engine": engine_kind, "crashed": proc.returncode, "tail": proc.stderr[-800:]}
     return json.loads(lines[-1])
 
