@@ -1,10 +1,17 @@
 """Bad input gets one clear ValueError, before anything is trained."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import keras
 import pytest
 
 from sections import Engine
 from engine_nets import hard_network, make_batch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def engine(**kw):
@@ -114,25 +121,52 @@ def test_a_step_asked_not_to_re_plan_raises_out_of_memory_where_auto_would_re_pl
     assert len(replanned) == 3  # MAX_REPLANS attempts, then it stops
 
 
-@pytest.mark.parametrize("shape", [(), (7,), (3, 3, 512, 160), (600, 700), (1, 1, 1024, 300)])
-def test_a_dry_steps_write_back_covers_every_element_once_in_small_pieces(shape):
-    """A dry step writes the saved state back a piece at a time (a whole large variable converted at once, on a
-    device nearly full after running out, ended the process): every element once, each piece within the limit."""
+@pytest.mark.parametrize("shape, dtype", [((), "int64"), ((7,), "float32"), ((3, 3, 512, 160), "float32"),
+                                          ((0, 4), "float32"), ((5,), "bool"), ((600, 700), "float16")])
+def test_a_dry_steps_write_back_restores_every_value_and_keeps_no_view_of_the_copy(shape, dtype):
     import numpy as np
 
-    from sections.step.executor import WRITE_PIECE, _pieces, host_copy, write_back
+    from sections.step.executor import ALIGN, host_copy, write_back
 
-    count = np.zeros(shape, np.int64)
-    for index in _pieces(shape, 4):
-        part = count[...] if index is None else count[index]
-        assert index is None or part.nbytes // 2 <= WRITE_PIECE  # int64 here: twice a float32's bytes
-        if index is None:
-            count += 1
-        else:
-            count[index] += 1
-    assert (count == 1).all()
-    variable = keras.Variable(np.arange(np.prod(shape), dtype="float32").reshape(shape))
+    values = (np.arange(int(np.prod(shape))) % 7).reshape(shape).astype(dtype)
+    variable = keras.Variable(values, dtype=dtype)
     saved = host_copy([variable])
-    variable.assign(np.zeros(shape, "float32"))
+    assert not saved[0].size or saved[0].ctypes.data % ALIGN == 0
+    variable.assign(np.ones(shape, dtype))
     write_back([variable], saved)
-    assert np.array_equal(variable.numpy(), saved[0])
+    assert np.array_equal(variable.numpy(), values) and variable.dtype == dtype
+    if dtype != "bool" and values.size:
+        variable.assign_add(np.ones(shape, dtype))  # the variable owns its buffer: the host copy is not written
+        assert np.array_equal(saved[0], values)
+
+
+def test_a_written_back_variable_is_read_without_a_copy_as_before():
+    """A slice assignment would switch the variable to copy-on-read for good: every later read (each step's
+    forward, the optimizer's slots) would copy it. On the BFC allocator (which counts), reading the variable after
+    the write-back holds what it held before (nothing: a read is a view)."""
+    code = """if True:
+        import numpy as np, tensorflow as tf, keras
+        from sections.step.executor import host_copy, write_back
+        info = lambda: tf.config.experimental.get_memory_info("CPU:0")
+        v = keras.Variable(np.zeros((1024, 1024, 4), "float32"))  # 16 MiB
+        total = tf.function(lambda: tf.reduce_sum(v.value))
+        def held_by_read():
+            total()
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            before = info()["current"]
+            total()
+            return (info()["peak"] - before) / 2**20
+        first = held_by_read()
+        saved = host_copy([v])
+        v.assign_add(np.ones((1024, 1024, 4), "float32"))
+        write_back([v], saved)
+        print(first, held_by_read(), float(v[0, 0, 0]))
+    """
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "512",
+           "TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after, value = map(float, done.stdout.split()[-3:])
+    assert before < 1 and after < 1, (before, after)  # 16 MiB where the read copies the variable
+    assert value == 0.0
