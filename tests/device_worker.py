@@ -178,6 +178,33 @@ def apply() -> dict:
     return {"beyond": peak - before, "largest": 256 * 1024 * 4, "iterations": int(optimizer.iterations.numpy())}
 
 
+def faithful(batch=256, width=1024) -> dict:
+    """Training steps' peaks and the bytes in use between them, before and after dry steps of the same plan."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((width,))
+    h = inputs
+    for _ in range(4):
+        h = keras.layers.Dense(width, activation="relu")(h)  # 4 MiB kernels
+    model = keras.Model(inputs, keras.layers.Dense(10)(h))
+    xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    network = sections.from_keras(model, loss=lambda out, b: xent(b["label"], out), inputs="x",
+                                  loss_fields=["label"])
+    engine = sections.Engine(network, keras.optimizers.Adam(1e-3), sections=2)
+    batch_ = {"x": tf.random.uniform((batch, width)), "label": tf.range(batch) % 10}
+    engine.build(batch_)
+
+    def steps():
+        peaks = [engine.train_step(batch_)["step_peak_bytes"] for _ in range(3)]
+        return peaks, int(tf.config.experimental.get_memory_info("CPU:0")["current"])
+
+    before, in_use_before = steps()
+    dry = [engine.dry_step(batch_).peak for _ in range(2)]
+    after, in_use_after = steps()
+    return {"before": before, "in_use_before": in_use_before, "dry": dry, "after": after,
+            "in_use_after": in_use_after}
+
+
 if __name__ == "__main__":
-    cases = {"recover": recover, "fit": fit, "restore": restore, "lean_count": lean_count, "apply": apply}
+    cases = {"recover": recover, "fit": fit, "restore": restore, "lean_count": lean_count, "apply": apply,
+             "faithful": faithful}
     print(json.dumps(cases[sys.argv[1]]()))

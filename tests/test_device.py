@@ -380,6 +380,19 @@ def test_a_dry_step_that_runs_out_of_memory_leaves_the_device_as_it_found_it():
     assert abs(out["again"] - out["first"]) <= DRY_NOISE * out["first"], out
 
 
+def test_training_steps_after_dry_steps_hold_what_they_held_before():
+    """Dry steps restore the state where it was on the device: the training steps after them read the same peaks
+    and leave the same bytes in use as before them (the state written back in slices switched each variable to
+    copy-on-read, and every later read then copied it), and the dry step reads what the steps do."""
+    proc = on_device(300, "tests/device_worker.py", "faithful", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    mib = 2**20
+    assert max(out["after"]) <= max(out["before"]) + mib, out
+    assert abs(out["in_use_after"] - out["in_use_before"]) <= mib, out
+    assert abs(max(out["dry"]) - max(out["after"])) <= mib, out
+
+
 @pytest.mark.slow  # 30 s; the fast set keeps test_section_functions_run_with_model_pruning_off (the mechanism)
 def test_a_lean_section_holds_what_its_trace_counts():
     """A lean MobileNetV2 (batch norms re-making their input from the convolution before them) trained as one
