@@ -84,11 +84,12 @@ def write_back(variables: Sequence[tf.Variable], saved: list) -> None:
     by a kernel (``DeepCopy`` of a view of the host array on the CPU), which the allocator puts in the chunk just
     freed; the variable takes that buffer. The heap is left as the step found it and no more memory is needed than
     the variable held. Not a slice assignment: it switches a variable to copy-on-read for good, so every later read
-    and update copies it (ResNet50V2's steps after planning read 433-468 MiB, against 404 with this); not a plain
+    and update copies it (ResNet50V2's steps after planning read 433-468 MiB, against 414 with this); not a plain
     assignment either: it takes the new value's buffer wherever that was made, and the moved variables left the
-    same plan's steps at 401-437 MiB as the copies landed. Reference cycles the step left are collected first: one
-    holding a read of a variable keeps its old buffer alive."""
-    gc.collect()
+    same plan's steps at 401-437 MiB as the copies landed. The young generations of Python's garbage are collected
+    first (a reference cycle holding a read of a variable would keep its old buffer alive); a full collection
+    took 0.25 s a call in a small process and several in the test suite's."""
+    gc.collect(1)
     for v, value in zip(variables, saved):
         target = v.value if isinstance(getattr(v, "value", None), tf.Variable) else v  # a Keras variable's own
         handle = getattr(target, "handle", None) if isinstance(target, tf.Variable) else None
