@@ -2,13 +2,15 @@
 
     .venv/bin/python docs/bench/planner/zoo.py                      # the default zoo, devices 0.6 and 0.4
     .venv/bin/python docs/bench/planner/zoo.py --models resnet mobilenetv2 --fractions 0.6 --steps 3
+    .venv/bin/python docs/bench/planner/zoo.py --models resnet --fractions 0.5 --fixed 2 4 8   # auto vs fixed N
 
 Per model: whole-graph training's peak at the batch with no limit (one process), then per fraction a process
 under ``TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=<fraction x whole's peak>`` (oneDNN off, as the
 runner sets under a limit) running ``sections="auto"`` with no budget: planning seconds, dry steps (and how many
 ran out of memory), each dry step's predicted against measured peak, the plan, its training steps' peaks and
 median step time against whole's unlimited step. ``--processes 3`` runs the sectioned process three times and
-says whether the partitions agree. Nothing is asserted: the table is printed (BENCHMARKS.md keeps it).
+says whether the partitions agree. ``--fixed N ...`` also runs ``sections=N`` on the same device and compares
+auto's step with the fastest of them that fits (issue 50, item 8). Nothing is asserted: the table is printed (BENCHMARKS.md keeps it).
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
     else:
         batch = {"image": tf.random.uniform((batch_size, *shape)), "label": tf.range(batch_size) % 10}
     opt = keras.optimizers.Adam(1e-3)
-    engine = WholeGraph(net, opt) if engine_kind == "whole" else Engine(net, opt, sections="auto")
+    if engine_kind == "whole":
+        engine = WholeGraph(net, opt)
+    else:  # "auto", or a fixed number of sections (balanced by counted activation bytes)
+        engine = Engine(net, opt, sections="auto" if engine_kind == "auto" else int(engine_kind))
     began = time.perf_counter()
     out = {"model": model, "batch": batch_size, "engine": engine_kind}
     try:
@@ -72,7 +77,7 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
                    dry_runs=getattr(engine, "dry_runs", []) if engine_kind != "whole" else [])
         return out
     out["build_seconds"] = time.perf_counter() - began
-    if engine_kind != "whole":
+    if engine_kind == "auto":
         plan = engine.plan
         out.update(sections=plan.schedule.num_sections, starts=list(plan.schedule.starts),
                    policies=plan.policies, forward_runs=list(plan.forward_runs),
@@ -81,7 +86,11 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
     peaks, seconds = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        stats = engine.train_step(batch)
+        try:
+            stats = engine.train_step(batch)
+        except Exception as err:  # a fixed partition that does not fit the device
+            out.update(refused=f"step {len(peaks) + 1}: {str(err)[:300]}")
+            return out
         seconds.append(time.perf_counter() - t0)
         peaks.append(stats["step_peak_bytes"])
     out.update(step_peaks=peaks, step_seconds=seconds)
@@ -121,6 +130,8 @@ def main() -> None:
     parser.add_argument("--fractions", nargs="*", type=float, default=[0.6, 0.4])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--fixed", nargs="*", type=int, default=[],
+                        help="also run sections=N for each N on the same device: auto's step against the fastest")
     args = parser.parse_args()
     mib = 2**20
     for model in args.models:
@@ -148,6 +159,19 @@ def main() -> None:
                       f"({sum(d['ran_out'] for d in dry)} out of memory) predicted->measured MiB [{pairs}], "
                       f"steps {[round(p / mib, 1) for p in r['step_peaks']]} MiB, step {t:.2f} s "
                       f"({t / step:.2f}x whole's)")
+            fixed = {n: run(model, str(n), args.steps, limit) for n in args.fixed}
+            if fixed:
+                fits = {n: statistics.median(r["step_seconds"][1:] or r["step_seconds"]) for n, r in fixed.items()
+                        if "step_seconds" in r}
+                said = ", ".join(f"{n}: {fits[n]:.2f} s, {max(fixed[n]['step_peaks']) / mib:.1f} MiB" if n in fits
+                                 else f"{n}: does not fit" for n in fixed)
+                print(f"  {fraction:.1f}: fixed sections=N [{said}]")
+                auto = [r for r in runs if "step_seconds" in r]
+                if fits and auto:
+                    n = min(fits, key=fits.get)
+                    t = statistics.median(auto[0]["step_seconds"][1:] or auto[0]["step_seconds"])
+                    print(f"  {fraction:.1f}: auto's step {t:.2f} s = {t / fits[n]:.2f}x the fastest fixed plan that "
+                          f"fits (sections={n}, {fits[n]:.2f} s), {t / step:.2f}x whole's unlimited")
             if len(runs) > 1:
                 same = len({json.dumps([r.get("starts"), r.get("policies")]) for r in runs}) == 1
                 print(f"  {fraction:.1f}: {len(runs)} processes chose {'the same plan' if same else 'different plans'}")
