@@ -10,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REPEAT = ROOT / "docs" / "bench" / "planner" / "repeat_peaks.py"
+ZOO = ROOT / "docs" / "bench" / "planner" / "zoo.py"
 
 
 def _module(path: Path):
@@ -33,3 +34,19 @@ def test_repeat_peaks_documented_commands_parse():
 def test_repeat_peaks_help_runs_without_tensorflow():
     proc = subprocess.run([sys.executable, str(REPEAT), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--gc-between" in proc.stdout and "--intra" in proc.stdout, proc.stderr
+
+
+def test_zoo_documented_commands_parse():
+    """zoo.py's own examples and the one docs/RUNNER.md shows (auto against fixed partitions)."""
+    module = _module(ZOO)
+    commands = [line.strip() for line in module.__doc__.splitlines() if "zoo.py" in line and "python" in line]
+    runner_doc = (ROOT / "docs" / "RUNNER.md").read_text()
+    assert "`docs/bench/planner/zoo.py --fixed 2 4 8`" in runner_doc
+    commands.append("python docs/bench/planner/zoo.py --fixed 2 4 8")
+    assert len(commands) == 4, commands
+    for command in commands:
+        words = shlex.split(command.split("#")[0])
+        args = module.build_parser().parse_args(words[2:])
+        assert set(args.models) <= set(module.ZOO) and all(0 < f < 1 for f in args.fractions)
+    fixed = module.build_parser().parse_args(shlex.split(commands[2].split("#")[0])[2:])
+    assert fixed.fixed == [2, 4, 8] and fixed.fractions == [0.5]

@@ -124,15 +124,19 @@ def run(model: str, engine_kind: str, steps: int, limit_mib: int | None) -> dict
     return json.loads(lines[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="The planner on a zoo of models under emulated devices.")
     parser.add_argument("--models", nargs="*", default=["resnet", "mobilenetv2", "resnet50v2"])
     parser.add_argument("--fractions", nargs="*", type=float, default=[0.6, 0.4])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--fixed", nargs="*", type=int, default=[],
                         help="also run sections=N for each N on the same device: auto's step against the fastest")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     mib = 2**20
     for model in args.models:
         whole = run(model, "whole", args.steps, None)
