@@ -37,11 +37,11 @@ def test_repeat_peaks_help_runs_without_tensorflow():
 
 
 def test_zoo_documented_commands_parse():
-    """zoo.py's own examples and the one docs/RUNNER.md shows (auto against fixed partitions)."""
+    """zoo.py's own examples and the one docs/RUNNER.md and the README show (auto against fixed partitions)."""
     module = _module(ZOO)
     commands = [line.strip() for line in module.__doc__.splitlines() if "zoo.py" in line and "python" in line]
-    runner_doc = (ROOT / "docs" / "RUNNER.md").read_text()
-    assert "`docs/bench/planner/zoo.py --fixed 2 4 8`" in runner_doc
+    for doc in (ROOT / "docs" / "RUNNER.md", ROOT / "README.md"):
+        assert "`docs/bench/planner/zoo.py --fixed 2 4 8`" in doc.read_text(), doc
     commands.append("python docs/bench/planner/zoo.py --fixed 2 4 8")
     assert len(commands) == 4, commands
     for command in commands:

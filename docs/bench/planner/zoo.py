@@ -10,7 +10,8 @@ runner sets under a limit) running ``sections="auto"`` with no budget: planning 
 ran out of memory), each dry step's predicted against measured peak, the plan, its training steps' peaks and
 median step time against whole's unlimited step. ``--processes 3`` runs the sectioned process three times and
 says whether the partitions agree. ``--fixed N ...`` also runs ``sections=N`` on the same device and compares
-auto's step with the fastest of them that fits (issue 50, item 8). Nothing is asserted: the table is printed (BENCHMARKS.md keeps it).
+auto's step with the fastest of them that fits (issue 50, item 8). Nothing is asserted: the table is printed
+(BENCHMARKS.md keeps it).
 """
 
 from __future__ import annotations
@@ -124,6 +125,11 @@ def run(model: str, engine_kind: str, steps: int, limit_mib: int | None) -> dict
     return json.loads(lines[-1])
 
 
+def step_seconds(result: dict) -> float:
+    """The median step time of a worker's result, its first (tracing) step left out where there are others."""
+    return statistics.median(result["step_seconds"][1:] or result["step_seconds"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="The planner on a zoo of models under emulated devices.")
     parser.add_argument("--models", nargs="*", default=["resnet", "mobilenetv2", "resnet50v2"])
@@ -144,7 +150,7 @@ def main() -> None:
             print(f"{model}: whole-graph training failed: {whole}")
             continue
         peak = max(whole["step_peaks"])
-        step = statistics.median(whole["step_seconds"][1:] or whole["step_seconds"])
+        step = step_seconds(whole)
         print(f"\n{model} batch {whole['batch']}: whole's peak {peak / mib:.1f} MiB, step {step:.2f} s (no limit)")
         for fraction in args.fractions:
             limit = int(fraction * peak / mib)
@@ -157,7 +163,7 @@ def main() -> None:
                     steps = f" [{len(dry)} dry steps ({sum(d['ran_out'] for d in dry)} out of memory): {pairs}]"
                     print(f"  {fraction:.1f} ({limit} MiB): {r.get('refused') or r}{steps if dry else ''}")
                     continue
-                t = statistics.median(r["step_seconds"][1:] or r["step_seconds"])
+                t = step_seconds(r)
                 print(f"  {fraction:.1f} ({limit} MiB): {r['sections']} sections, forward runs {r['forward_runs']}, "
                       f"planning {r['planning_seconds']:.1f} s, {len(dry)} dry steps "
                       f"({sum(d['ran_out'] for d in dry)} out of memory) predicted->measured MiB [{pairs}], "
@@ -165,7 +171,7 @@ def main() -> None:
                       f"({t / step:.2f}x whole's)")
             fixed = {n: run(model, str(n), args.steps, limit) for n in args.fixed}
             if fixed:
-                fits = {n: statistics.median(r["step_seconds"][1:] or r["step_seconds"]) for n, r in fixed.items()
+                fits = {n: step_seconds(r) for n, r in fixed.items()
                         if "step_seconds" in r}
                 said = ", ".join(f"{n}: {fits[n]:.2f} s, {max(fixed[n]['step_peaks']) / mib:.1f} MiB" if n in fits
                                  else f"{n}: does not fit" for n in fixed)
@@ -173,7 +179,7 @@ def main() -> None:
                 auto = [r for r in runs if "step_seconds" in r]
                 if fits and auto:
                     n = min(fits, key=fits.get)
-                    t = statistics.median(auto[0]["step_seconds"][1:] or auto[0]["step_seconds"])
+                    t = step_seconds(auto[0])
                     print(f"  {fraction:.1f}: auto's step {t:.2f} s = {t / fits[n]:.2f}x the fastest fixed plan that "
                           f"fits (sections={n}, {fits[n]:.2f} s), {t / step:.2f}x whole's unlimited")
             if len(runs) > 1:
