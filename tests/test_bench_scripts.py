@@ -50,3 +50,11 @@ def test_zoo_documented_commands_parse():
         assert set(args.models) <= set(module.ZOO) and all(0 < f < 1 for f in args.fractions)
     fixed = module.build_parser().parse_args(shlex.split(commands[2].split("#")[0])[2:])
     assert fixed.fixed == [2, 4, 8] and fixed.fractions == [0.5]
+
+
+def test_fit_forms_documented_command_parses():
+    module = _module(ROOT / "docs" / "bench" / "planner" / "fit_forms.py")
+    commands = [line.strip() for line in module.__doc__.splitlines() if "fit_forms.py" in line and "python" in line]
+    assert len(commands) == 1, commands
+    args = module.build_parser().parse_args(shlex.split(commands[0])[2:])
+    assert args.models == ["gpt2", "resnet", "efficientnetb0"]
