@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 REPEAT = ROOT / "docs" / "bench" / "planner" / "repeat_peaks.py"
 ZOO = ROOT / "docs" / "bench" / "planner" / "zoo.py"
@@ -43,13 +45,38 @@ def test_zoo_documented_commands_parse():
     for doc in (ROOT / "docs" / "RUNNER.md", ROOT / "README.md"):
         assert "`docs/bench/planner/zoo.py --fixed 2 4 8`" in doc.read_text(), doc
     commands.append("python docs/bench/planner/zoo.py --fixed 2 4 8")
-    assert len(commands) == 4, commands
+    assert len(commands) == 5, commands
     for command in commands:
         words = shlex.split(command.split("#")[0])
         args = module.build_parser().parse_args(words[2:])
         assert set(args.models) <= set(module.ZOO) and all(0 < f < 1 for f in args.fractions)
     fixed = module.build_parser().parse_args(shlex.split(commands[2].split("#")[0])[2:])
     assert fixed.fixed == [2, 4, 8] and fixed.fractions == [0.5]
+    searched = module.build_parser().parse_args(shlex.split(commands[3].split("#")[0])[2:])
+    assert searched.batch_max and not module.build_parser().parse_args([]).batch_max
+
+
+@pytest.mark.parametrize("model", ["resnet", "mobilenetv2", "resnet50v2"])
+def test_zoo_batch_max_runs_compose_into_configs_the_runner_accepts(model, tmp_path):
+    """The runner commands ``zoo.py --batch-max`` runs (both engines) compose and pass the runner's checks."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from runner.config import schema
+    from runner.config.checks import check_config
+
+    module = _module(ZOO)
+    schema.register()
+    for engine in ("whole", "auto"):
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=module.batch_max_overrides(model, engine, tmp_path / engine),
+                          return_hydra_config=True)
+        with open_dict(cfg):
+            del cfg.hydra
+        check_config(cfg)
+        assert cfg.batch == "max" and cfg.data.train_size == 8 * module.ZOO[model][2]
+    with pytest.raises(ValueError, match="image models"):
+        module.runner_args("gpt2")
 
 
 def test_fit_forms_documented_command_parses():

@@ -3,6 +3,7 @@
     .venv/bin/python docs/bench/planner/zoo.py                      # the default zoo, devices 0.6 and 0.4
     .venv/bin/python docs/bench/planner/zoo.py --models resnet mobilenetv2 --fractions 0.6 --steps 3
     .venv/bin/python docs/bench/planner/zoo.py --models resnet --fractions 0.5 --fixed 2 4 8   # auto vs fixed N
+    .venv/bin/python docs/bench/planner/zoo.py --models resnet mobilenetv2 --fractions 0.6 --batch-max  # batch=max
 
 Per model: whole-graph training's peak at the batch with no limit (one process), then per fraction a process
 under ``TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=<fraction x whole's peak>`` (oneDNN off, as the
@@ -10,7 +11,10 @@ runner sets under a limit) running ``sections="auto"`` with no budget: planning 
 ran out of memory), each dry step's predicted against measured peak, the plan, its training steps' peaks and
 median step time against whole's unlimited step. ``--processes 3`` runs the sectioned process three times and
 says whether the partitions agree. ``--fixed N ...`` also runs ``sections=N`` on the same device and compares
-auto's step with the fastest of them that fits (issue 50, item 8). Nothing is asserted: the table is printed
+auto's step with the fastest of them that fits (issue 50, item 8). ``--batch-max`` also runs the runner's
+``batch=max`` on the same device, ``engine=whole`` and ``sections=auto`` (synthetic images of the model's shape,
+two training steps): each search's batch, trials and seconds, and auto's batch against whole's (issue 50, items 1
+and 3; image models only). Nothing is asserted: the table is printed
 (BENCHMARKS.md keeps it).
 """
 
@@ -125,6 +129,53 @@ def run(model: str, engine_kind: str, steps: int, limit_mib: int | None) -> dict
     return json.loads(lines[-1])
 
 
+def runner_args(model: str) -> list[str]:
+    """The runner's overrides for a zoo image model on synthetic data of its shape (sized for 3x whole's batch)."""
+    kind, args, batch, shape = ZOO[model]
+    data = ["data=synthetic", f"data.image_shape=[{','.join(map(str, shape))}]", f"data.train_size={8 * batch}",
+            "data.test_size=64"]
+    if kind == "resnet":
+        return ["model=resnet", *data]
+    if kind == "keras_app":
+        return ["model=keras_app", f"model.name={args['name']}", f"model.input_shape=[{','.join(map(str, shape))}]",
+                *data]
+    raise ValueError(f"--batch-max runs image models; {model} is not one")
+
+
+def batch_max_overrides(model: str, engine: str, folder: Path) -> list[str]:
+    """The runner's overrides for ``batch=max`` of a zoo image model with ``engine`` (``whole`` or ``auto``)."""
+    chosen = ["engine=whole"] if engine == "whole" else ["sections=auto"]
+    return [*runner_args(model), *chosen, "batch=max", "train.steps=2", "train.eval_every=0",
+            "train.verify_exact=false", "train.save_model=false", "train.progress=log", f"hydra.run.dir={folder}"]
+
+
+def batch_max(model: str, engine: str, limit_mib: int, folder: Path) -> dict:
+    """The runner's ``batch=max`` for ``model`` with ``engine`` (``whole`` or ``auto``) under a device of
+    ``limit_mib``: its metrics.json (``batch``, ``batch_max_trials``, ``batch_max_seconds``), or why it failed."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CPU_ALLOCATOR_USE_BFC="true",
+               TF_CPU_BFC_MEM_LIMIT_IN_MB=str(limit_mib))
+    command = [sys.executable, "-m", "runner", *batch_max_overrides(model, engine, folder)]
+    began = time.perf_counter()
+    proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
+    seconds = time.perf_counter() - began
+    metrics = folder / "metrics.json"
+    if proc.returncode != 0 or not metrics.is_file():
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        return {"failed": (errors or [proc.stderr[-400:]])[-1], "seconds": seconds}
+    return {**json.loads(metrics.read_text()), "seconds": seconds}
+
+
+def batch_max_line(fraction: float, engine: str, r: dict) -> str:
+    mib = 2**20
+    if "failed" in r:
+        return f"  {fraction:.1f}: batch=max {engine}: failed after {r['seconds']:.0f} s: {r['failed'][:300]}"
+    trials = ", ".join(f"{t['batch']} {'fits' if t['fits'] else 'no'} {t['seconds'] or 0:.0f} s"
+                       for t in r.get("batch_max_trials", []))
+    return (f"  {fraction:.1f}: batch=max {engine}: batch {r['batch']}, search {r.get('batch_max_seconds', 0):.1f} s "
+            f"({len(r.get('batch_max_trials', []))} trials: {trials}), steps at "
+            f"{r.get('step_peak_bytes', 0) / mib:.1f} MiB, whole run {r['seconds']:.0f} s")
+
+
 def step_seconds(result: dict) -> float:
     """The median step time of a worker's result, its first (tracing) step left out where there are others."""
     return statistics.median(result["step_seconds"][1:] or result["step_seconds"])
@@ -138,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--fixed", nargs="*", type=int, default=[],
                         help="also run sections=N for each N on the same device: auto's step against the fastest")
+    parser.add_argument("--batch-max", action="store_true",
+                        help="also run the runner's batch=max (engine=whole and sections=auto) on the same device")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "zoo",
+                        help="where --batch-max's run folders go")
     return parser
 
 
@@ -182,6 +237,15 @@ def main() -> None:
                     t = step_seconds(auto[0])
                     print(f"  {fraction:.1f}: auto's step {t:.2f} s = {t / fits[n]:.2f}x the fastest fixed plan that "
                           f"fits (sections={n}, {fits[n]:.2f} s), {t / step:.2f}x whole's unlimited")
+            if args.batch_max:
+                found = {}
+                for engine in ("whole", "auto"):
+                    folder = args.out / f"{model}-{fraction}-{engine}-{time.strftime('%H%M%S')}"
+                    found[engine] = batch_max(model, engine, limit, folder)
+                    print(batch_max_line(fraction, engine, found[engine]), flush=True)
+                if all("batch" in r for r in found.values()):
+                    print(f"  {fraction:.1f}: batch=max auto {found['auto']['batch']} = "
+                          f"{found['auto']['batch'] / found['whole']['batch']:.2f}x whole's {found['whole']['batch']}")
             if len(runs) > 1:
                 same = len({json.dumps([r.get("starts"), r.get("policies")]) for r in runs}) == 1
                 print(f"  {fraction:.1f}: {len(runs)} processes chose {'the same plan' if same else 'different plans'}")
