@@ -227,6 +227,49 @@ def test_batch_max_trials_share_one_optimizer(monkeypatch):
     assert 90 <= cfg.batch <= 100 and setup.batch_search.best().batch == cfg.batch
 
 
+def test_a_trial_whose_least_memory_plan_ran_out_reports_no_floor_and_one_that_measured_does(monkeypatch):
+    """The runner's trials with sections=auto: a refusal whose least-memory plan's dry step ran out of memory
+    measured a lower bound only (no floor: it would draw a flat line), one whose dry step measured is a floor."""
+    from types import SimpleNamespace
+
+    from hydra import compose, initialize_config_dir
+
+    from runner.config.schema import register
+    from runner.run import build
+    from sections.schedule.planner import NoPlanFits
+    from sections.step.calibrate import Floor
+
+    register()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["data=synthetic", "batch=max", "sections=auto"])
+    mib = 2**20
+
+    class Planned:
+        sections = ()
+
+        def __init__(self, batch):
+            self.plan = SimpleNamespace(predicted_peak=(100 + batch) * mib)
+            self.memory_floor = Floor((90 + batch) * mib, 50 * mib, 400 * mib, measured=True)
+
+    def make_engine(cfg, data, network, sections, strategy, batch, raw=False, optimizer=None):
+        if batch <= 250:
+            return Planned(batch), batch, None
+        least = (90 + batch) * mib  # above 350 MiB its dry step runs out of a 450 MiB device
+        raise NoPlanFits("no partition fits", least if least <= 350 * mib else 450 * mib, None, 0,
+                         lower_bound=least > 350 * mib)
+
+    monkeypatch.setattr(build, "make_engine", make_engine)
+    from runner.run import batch_max
+
+    monkeypatch.setattr(batch_max.gc, "collect", lambda *args: 0)
+    setup = build._largest(cfg, type("Data", (), {"train_size": 10**6})(), None, "auto", None)
+    floors = {r["batch"]: r.get("floor_bytes") for r in setup.batch_search.records()}
+    assert all(floors[b] == (90 + b) * mib for b in floors if 90 + b <= 350), floors
+    assert all(floors[b] is None for b in floors if 90 + b > 350), floors
+    assert any(90 + b > 350 for b in floors), floors  # a trial ran out
+    assert 250 / 1.1 <= cfg.batch <= 250, setup.batch_search.records()
+
+
 @pytest.mark.parametrize("per_example_mib, fixed_mib, held_mib, budget_mib", [
     (6.0, 300, 200, 1946), (6.0, 300, 0, 3891), (0.35, 100, 60, 973), (1.7, 40, 400, 3891), (20.0, 500, 0, 973)])
 def test_batch_max_with_floors_lands_within_the_tolerance_in_a_few_trials(per_example_mib, fixed_mib, held_mib,
@@ -276,6 +319,35 @@ def test_batch_max_guided_by_floors_that_mislead_still_ends_within_the_tolerance
 
         (batch, _), search = largest_batch(try_batch, 1, budget=1000 * 2**20)
         assert 700 / (1 + TOLERANCE) <= batch <= 700 and len(search.trials) <= 10, (slope, search.trials)
+
+
+def test_batch_max_ends_in_a_few_trials_where_measured_floors_are_noisy_and_large_batches_run_out(no_gc):
+    """MobileNetV2 at 96 px on a 458 MiB device (the runner, twenty-first session): measured floors moved by tens of
+    MiB between neighbouring batches, and trials above the largest that fits ran out of memory in their
+    least-memory plan's dry step (no floor: a lower bound near the device's size at every batch). With the
+    out-of-memory readings taken as floors the search crept up by the tolerance to its ten-trial limit."""
+    import math
+    from types import SimpleNamespace
+
+    from runner.run.batch_max import TOLERANCE
+
+    mib, budget, device = 2**20, 435 * 2**20, 458 * 2**20
+    line = budget - 2 * mib
+
+    def least(b):  # fixed 27 MiB, 60 MiB the process holds, 4.6 MiB an example, the allocator's chunks +-25 MiB
+        return int((27 + 60 + 4.6 * b + 25 * math.sin(1.7 * b)) * mib)
+
+    def try_batch(b):
+        if least(b) > device:
+            return Trial(b, False, device + 1, "no plan fits")  # ran out: no floor
+        floor = SimpleNamespace(least=least(b), fixed=27 * mib, line=line)
+        return Trial(b, least(b) <= line, least(b), "" if least(b) <= line else "no plan fits", floor,
+                     kept=f"engine {b}")
+
+    (batch, engine), search = largest_batch(try_batch, 1, budget=budget)
+    largest = max(b for b in range(1, 200) if least(b) <= line)
+    assert least(batch) <= line and batch >= largest / (1 + TOLERANCE) ** 2, (largest, search.trials)
+    assert len(search.trials) <= 6 and engine == f"engine {batch}", search.trials
 
 
 def test_batch_max_stops_at_the_data_size(no_gc):

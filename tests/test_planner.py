@@ -128,7 +128,8 @@ def test_the_floor_is_the_smallest_peak_a_refusal_names_and_a_plan_just_above_it
 
 def test_the_memory_floor_grows_with_the_batch_above_the_variables_and_slots():
     """``Engine.memory_floor``: what ``batch=max`` extrapolates. Its fixed part is the variables' and optimizer
-    slots' bytes; the least peak lies above it, grows with the batch, and is no more than the plan's own peak."""
+    slots' bytes; the least peak is the least-memory plan's dry step (the first), no more than the plan's own
+    peak, above the fixed part, and grows with the batch; it fits when within the budget less the spread."""
     floors = []
     for n in (16, 64):
         engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1, momentum=0.9), sections="auto",
@@ -137,7 +138,10 @@ def test_the_memory_floor_grows_with_the_batch_above_the_variables_and_slots():
         floor = engine.memory_floor
         held = sum(v.numpy().nbytes for v in engine.network.variables + engine.optimizer.variables)
         assert floor.fixed == held and held < floor.least <= engine.plan.predicted_peak, (floor, engine.plan)
-        assert floor.line == int(0.9 * engine.memory_budget) - engine.calibrator.spread()
+        least_dry = engine.dry_runs[0]
+        assert floor.measured and not least_dry["ran_out"]
+        assert floor.least == min(least_dry["measured"], engine.plan.predicted_peak), (floor, engine.dry_runs)
+        assert floor.line == engine.memory_budget - engine.calibrator.spread()
         floors.append(floor.least)
     assert floors[1] > floors[0], floors
     assert Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections=2).memory_floor is None

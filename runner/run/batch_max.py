@@ -139,23 +139,31 @@ def round_to(batch: float, replicas: int) -> int:
 
 
 def predicted(search: Search) -> float | None:
-    """The batch whose floor meets its line, extrapolated along a straight line: through the two trials whose
-    floors lie nearest their lines where two are known, else through one trial and the floor's fixed part (the
-    variables and slots; what else does not grow with the batch counts as growing, so one trial errs low). None
-    where a batch fitted whose floor was above its line: the floors mislead, and the search doubles and halves."""
+    """The batch whose floor meets its line, extrapolated along a straight line: the least-squares line through
+    the trials' floors where two batches have one (measured floors move by tens of MiB with the allocator's
+    chunks: MobileNetV2's read 185 MiB at batch 32 and 240 at 35, so a line through two neighbours can point
+    anywhere), else through one trial and the floor's fixed part (the variables and slots; what else does not grow
+    with the batch counts as growing, so one trial errs low). None where a batch fitted whose floor was above its
+    line: the floors mislead, and the search doubles and halves. A trial whose least-memory plan ran out reports
+    no floor (a lower bound near the device's size at every batch drew a flat line, and the search crept up by
+    the tolerance to its trial limit)."""
     points = sorted(search.floors.items())
     fitted = {t.batch for t in search.fitting()}
     if not points or any(f.least > f.line for b, f in points if b in fitted):
         return None  # no floors, or floors that said a batch could not fit where it did: doubling and halving
-    if len(points) >= 2:
-        (b1, f1), (b2, f2) = sorted(points, key=lambda p: abs(p[1].line - p[1].least))[:2]
-        slope = (f2.least - f1.least) / (b2 - b1)
+    line = min(f.line for _, f in points)
+    if len({b for b, _ in points}) >= 2:
+        mean_b = sum(b for b, _ in points) / len(points)
+        mean_f = sum(f.least for _, f in points) / len(points)
+        slope = (sum((b - mean_b) * (f.least - mean_f) for b, f in points)
+                 / sum((b - mean_b) ** 2 for b, _ in points))
+        b1, least = mean_b, mean_f
     else:
         (b1, f1), = points
-        slope = (f1.least - f1.fixed) / b1
+        slope, least = (f1.least - f1.fixed) / b1, f1.least
     if slope <= 0:
         return None
-    return b1 + (f1.line - f1.least) / slope
+    return b1 + (line - least) / slope
 
 
 def _guided(search: Search, lo: int, hi: int | None, guess: float) -> int | None:

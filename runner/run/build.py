@@ -199,8 +199,10 @@ def _largest(cfg: DictConfig, data, network, sections, strategy, folder=None, co
             if smallest is None:
                 raise ConfigError("sections", sections, str(err)) from err
             # The smallest plan's dry step: this batch's floor, as measured (its fixed part and line are the
-            # last fitting trial's: neither grows with the batch).
-            floor = dataclasses.replace(floors[-1], least=smallest) if floors and smallest else None
+            # last fitting trial's: neither grows with the batch). A dry step that ran out measured only a lower
+            # bound (about the device's size at any batch above it): no floor, the trial bounds the search alone.
+            bound = getattr(err, "lower_bound", False)
+            floor = dataclasses.replace(floors[-1], least=smallest) if floors and smallest and not bound else None
             return Trial(batch, False, smallest or None, "no plan fits", floor)
         except engine_lib.OutOfMemory as err:
             return Trial(batch, False, err.in_use + (err.requested or 0), "out of memory while planning")

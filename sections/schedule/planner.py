@@ -224,12 +224,13 @@ DOES_NOT_FIT = 2**50  # what a measurement reads for a section the device had no
 
 
 class NoPlanFits(ValueError):
-    """No schedule's predicted peak fits the budget. ``smallest``: the smallest predicted peak reachable;
-    ``plan``: the schedule that reaches it; ``advised``: the smallest budget that fits it (margin and spread)."""
+    """No schedule's predicted peak fits the budget. ``smallest``: the smallest predicted peak reachable (or
+    measured); ``plan``: the schedule that reaches it; ``advised``: the smallest budget that fits it (margin and
+    spread); ``lower_bound``: ``smallest`` is only a lower bound (the plan's dry step ran out of memory)."""
 
-    def __init__(self, message: str, smallest: int, plan: "Plan", advised: int):
+    def __init__(self, message: str, smallest: int, plan: "Plan", advised: int, lower_bound: bool = False):
         super().__init__(message)
-        self.smallest, self.plan, self.advised = smallest, plan, advised
+        self.smallest, self.plan, self.advised, self.lower_bound = smallest, plan, advised, lower_bound
 
 
 def plan_schedule(profiles, input_bytes: int, budget: int, base_bytes: int = 0, margin: float = 0.1,

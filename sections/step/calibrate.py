@@ -99,13 +99,16 @@ def check_variables_fit(network, optimizer, in_use: int, limit: int | None) -> N
 
 @dataclass(frozen=True)
 class Floor:
-    """The least memory a step at this batch is predicted to need under any plan (``least``), the part of it that
-    does not grow with the batch (``fixed``: variables and optimizer slots), and the line a plan's prediction must
-    stay under (``line``). A batch whose floor is above its line has no plan; ``batch=max`` extrapolates it."""
+    """The least memory a step at this batch needs under any plan (``least``: measured where the least-memory plan
+    was dry-run, else counted), the part of it that does not grow with the batch (``fixed``: variables and optimizer
+    slots), and the line ``least`` must stay under for a plan to fit (``line``: for a measured floor the budget less
+    what runs varied by, as a dry step is held; for a counted one the line predictions are held under). A batch
+    whose floor is above its line has no plan; ``batch=max`` extrapolates it."""
 
     least: int
     fixed: int
     line: int
+    measured: bool = False  # ``least`` is the least-memory plan's dry step (else its count)
 
 
 class Calibrator:
@@ -207,13 +210,19 @@ class Calibrator:
         return self.search.predict(self._candidate(plan))
 
     def floor(self) -> Floor:
-        """The least memory any plan at this batch needs by the count (exact shapes: it grows with the batch, which
-        ``batch=max`` extrapolates; the fitted line, drawn anew by each engine, moved a small net's floor at batch
-        16 above its floor at 64), no more than the plan in force measured."""
+        """The least memory any plan at this batch needs, no more than the plan in force measured: the least-memory
+        plan's dry step where it ran (it runs first), else its count. Measured, because the count leaves out what
+        the process holds beside the model (the runner's input pipeline: 30-75 MiB on MobileNetV2 at 96 px) and
+        what kernels and the allocator add (1.3x the count there): ``batch=max`` aimed by counted floors tried
+        batch 97 where 58 was the largest that fitted."""
         plan = self._least_plan()
+        key = self._candidate(plan).key
+        dry = [s.peak for s in self.search.steps if s.candidate.key == key and not s.ran_out]
+        if dry:
+            least = min(max(dry), self.plan.predicted_peak) if self.refusal is None else max(dry)
+            return Floor(least, self.costs.model_bytes, self.budget - self.spread(), measured=True)
         least = min(plan.predicted_peak, self.plan.predicted_peak)
-        line = int(self.search.line(self.spread()))
-        return Floor(least, self.costs.model_bytes, line)
+        return Floor(least, self.costs.model_bytes, int(self.search.line(self.spread())))
 
     # ------------------------------------------------------------------ planning at build
     def calibrate(self, batch) -> None:
@@ -284,7 +293,8 @@ class Calibrator:
             f"memory_budget={hb(self.budget)} ({self.budget} bytes{source}): no partition fits; the least-memory "
             f"plan ({_sections(plan)}, every section re-run) was dry-run at build (its state restored) and "
             f"{said}; a plan runs when its dry step plus what its runs varied by is within the budget: the smallest "
-            f"budget that fits is about {hb(advised)}.", figure, plan, advised)
+            f"budget that fits is about {hb(advised)}.", figure, plan, advised,
+            lower_bound=step is not None and step.ran_out)
 
     # ------------------------------------------------------------------ reports
     def planning_seconds(self) -> float:
