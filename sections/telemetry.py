@@ -99,12 +99,14 @@ class PlanReport(Protocol):
 
 @runtime_checkable
 class FloorReport(Protocol):
-    """The least memory any plan at a batch needs (``least``), the part not growing with the batch (``fixed``) and
-    the line a plan stays under (``line``), bytes (``Engine.memory_floor``)."""
+    """The least memory any plan at a batch needs (``least``; ``measured``: by its dry step, else counted), the
+    part not growing with the batch (``fixed``) and the line ``least`` must stay under for a plan to fit
+    (``line``), bytes (``Engine.memory_floor``)."""
 
     least: int
     fixed: int
     line: int
+    measured: bool
 
 
 class ReplicasReport(Protocol):

@@ -5,9 +5,9 @@ step at that batch runs, state restored after, without running out of memory and
 memory less headroom where none is given). Trials double from `START` (up to 8x where a step held far less than
 the budget) until one does not fit (or the data's size is reached), then halve the gap until the smallest that
 does not fit is within `TOLERANCE` of the largest that does. With `sections=auto` each trial also reports its
-floor (the least memory any plan at its batch needs, `Engine.memory_floor`), which grows with the batch along a
-line: the next trial aims just below where that line meets the budget (`predicted`): keras.applications ResNet50
-on a 2 GiB device took 4 trials (doubling took 10 of 5-30 minutes each). Where the caller can check it, the best
+floor (the least memory any plan at its batch needs, as its dry step measured it: `Engine.memory_floor`), which
+grows with the batch along a line: the next trial aims just below where that line meets the budget (`predicted`):
+keras.applications ResNet50 on a 2 GiB device took 4 trials (doubling took 10 of 5-30 minutes each). Where the caller can check it, the best
 trial's engine steps once more after the search (the later trials' failures can leave the device with less room:
 keras.applications ResNet50 at batch 32 read 888 MiB in its trial and ran out of a 1 GiB device in its first
 training step after five failed trials); a batch that no longer fits counts as not fitting, and the search goes on
