@@ -269,6 +269,18 @@ def test_a_trial_whose_least_memory_plan_ran_out_reports_no_floor_and_one_that_m
     assert any(90 + b > 350 for b in floors), floors  # a trial ran out
     assert 250 / 1.1 <= cfg.batch <= 250, setup.batch_search.records()
 
+    def eager_oom(cfg, data, network, sections, strategy, batch, raw=False, optimizer=None):
+        if batch >= 64:  # an eager op of the build itself ran out (EfficientNetB0: it ended the search)
+            import tensorflow as tf
+
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+        return Planned(batch), batch, None
+
+    monkeypatch.setattr(build, "make_engine", eager_oom)
+    setup = build._largest(cfg, type("Data", (), {"train_size": 10**6})(), None, "auto", None)
+    whys = {r["batch"]: r["why"] for r in setup.batch_search.records()}
+    assert 58 <= cfg.batch < 64 and "out of memory while building its engine" in whys.values(), whys
+
 
 @pytest.mark.parametrize("per_example_mib, fixed_mib, held_mib, budget_mib", [
     (6.0, 300, 200, 1946), (6.0, 300, 0, 3891), (0.35, 100, 60, 973), (1.7, 40, 400, 3891), (20.0, 500, 0, 973)])

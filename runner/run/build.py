@@ -173,6 +173,8 @@ def _largest(cfg: DictConfig, data, network, sections, strategy, folder=None, co
     optimizer on a 2048x2048 Dense, every time; in eager steps they are freed), so a new optimizer per trial left
     each trial's slots behind (ResNet50 on a 1 GiB device: about 100 MiB per trial, batch 16 no longer fitting
     after five trials where 32 had)."""
+    import tensorflow as tf
+
     import sections as engine_lib
     from runner.platform import stops
     from runner.platform.journal import recorded_trials
@@ -206,6 +208,9 @@ def _largest(cfg: DictConfig, data, network, sections, strategy, folder=None, co
             return Trial(batch, False, smallest or None, "no plan fits", floor)
         except engine_lib.OutOfMemory as err:
             return Trial(batch, False, err.in_use + (err.requested or 0), "out of memory while planning")
+        except tf.errors.ResourceExhaustedError:  # outside a dry step: an eager op of the build at this batch
+            # (EfficientNetB0 at batch 51 on a 352 MiB device: a Sigmoid of the borders' pass) ended the search
+            return Trial(batch, False, None, "out of memory while building its engine")
         stops.check()  # planning is over: a signal whose first raise was lost stops here
         if engine.plan is not None:  # sections=auto: its dry steps ran the plan under the budget
             floors.append(engine.memory_floor)
