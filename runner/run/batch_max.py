@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -153,17 +154,14 @@ def predicted(search: Search) -> float | None:
         return None  # no floors, or floors that said a batch could not fit where it did: doubling and halving
     line = min(f.line for _, f in points)
     if len({b for b, _ in points}) >= 2:
-        mean_b = sum(b for b, _ in points) / len(points)
-        mean_f = sum(f.least for _, f in points) / len(points)
-        slope = (sum((b - mean_b) * (f.least - mean_f) for b, f in points)
-                 / sum((b - mean_b) ** 2 for b, _ in points))
-        b1, least = mean_b, mean_f
+        slope, intercept = statistics.linear_regression([b for b, _ in points], [f.least for _, f in points])
     else:
         (b1, f1), = points
-        slope, least = (f1.least - f1.fixed) / b1, f1.least
+        slope = (f1.least - f1.fixed) / b1
+        intercept = f1.least - slope * b1
     if slope <= 0:
         return None
-    return b1 + (line - least) / slope
+    return (line - intercept) / slope
 
 
 def _guided(search: Search, lo: int, hi: int | None, guess: float) -> int | None:
