@@ -372,6 +372,22 @@ def metrics(out: Path) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
+def test_batch_max_whose_optimizer_slots_cannot_fit_stops_in_one_line_naming_the_optimizer(tmp_path):
+    """Weights of 31 MiB, Adam's slots 62 MiB, a 90 MiB device: no batch fits. Before, whole's trials ran out making
+    the slots (leaving the optimizer half made: the next trial's step raised AttributeError), and restoring a trial's
+    state by assigning arrays on the full device ended the process (VGG16: a segmentation fault)."""
+    run = tmp_path / "run"
+    proc = on_device(90, "-m", "runner", "model=mlp", f"model.hidden=[{','.join(['1024'] * 8)}]", "data=synthetic",
+                     "data.image_shape=[28,28,1]", "data.train_size=256", "engine=whole", "batch=max",
+                     "train.steps=1", "train.eval_every=0", "train.verify_exact=false", "train.save_model=false",
+                     f"hydra.run.dir={run}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0].startswith("error: optimizer=Adam: the optimizer's 2 slot(s) per variable"), errors[0]
+    assert "more than the device's 90.0 MiB" in errors[0] and "(SGD)" in errors[0], errors[0]
+
+
 def test_a_whole_step_out_of_memory_is_one_line_with_what_would_fit_and_what_held_memory(tmp_path):
     """The step's batch runs once more under the profiler (about 10 s more: TensorFlow's BFC allocator waits 10 s
     for memory to come free before it fails an allocation, each time)."""

@@ -154,6 +154,8 @@ def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, 
     try:
         engine.build(probe)
     except ValueError as err:
+        if type(err).__name__ == "VariablesDoNotFit":  # no batch or partition helps: the optimizer is the value
+            raise ConfigError("optimizer", _short_target(cfg.optimizer._target_), str(err)) from err
         if raw:
             raise
         raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
@@ -191,8 +193,10 @@ def _largest(cfg: DictConfig, data, network, sections, strategy, folder=None, co
     start_search(folder, cfg, said, keep=bool(earlier))
 
     floors = []  # sections=auto: each trial's floor (Engine.memory_floor), which the search extrapolates
+    built = []  # the batches whose engines were built (and so stepped this optimizer)
 
     def try_batch(batch: int):
+        nonlocal optimizer
         try:
             engine, probe, batches = make_engine(cfg, data, network, sections, strategy, batch, raw=True,
                                                  optimizer=optimizer)
@@ -210,7 +214,10 @@ def _largest(cfg: DictConfig, data, network, sections, strategy, folder=None, co
             return Trial(batch, False, err.in_use + (err.requested or 0), "out of memory while planning")
         except tf.errors.ResourceExhaustedError:  # outside a dry step: an eager op of the build at this batch
             # (EfficientNetB0 at batch 51 on a 352 MiB device: a Sigmoid of the borders' pass) ended the search
+            if not built:  # it may have run out making the optimizer's slots, leaving it half made: a new one
+                optimizer = new_optimizer(cfg, strategy)  # (never stepped, so dropping it frees its slots)
             return Trial(batch, False, None, "out of memory while building its engine")
+        built.append(batch)
         stops.check()  # planning is over: a signal whose first raise was lost stops here
         if engine.plan is not None:  # sections=auto: its dry steps ran the plan under the budget
             floors.append(engine.memory_floor)
@@ -249,8 +256,11 @@ def _one_step_fits(engine, probe, budget: int, steps: int = 2):
     step (the notebook ResNet at batch 220: 289 MiB in one trial, 342 and 349 MiB in the run's first steps)."""
     import sections as engine_lib
 
+    # Written back where each variable was (not `assign` of an array: a new buffer wherever the allocator put it,
+    # which moved the heap from trial to trial, and converting an array on a nearly full device crashed the process:
+    # VGG16, whole, batch 8 on a 495 MiB device, after its step ran out)
     state = [*engine.network.variables, *engine.optimizer.variables]
-    saved = [v.numpy().copy() for v in state]
+    saved = engine_lib.host_copy(state)
     peaks = []
     try:
         for _ in range(steps):
@@ -258,8 +268,7 @@ def _one_step_fits(engine, probe, budget: int, steps: int = 2):
     except engine_lib.OutOfMemory as err:
         return False, err.in_use + (err.requested or 0), "out of memory"
     finally:
-        for v, value in zip(state, saved):
-            v.assign(value)
+        engine_lib.write_back(state, saved)
     peak = None if None in peaks else max(peaks)
     if peak is not None and peak > budget:
         return False, peak, f"its step read {rules.human_bytes(peak)}, over the budget"

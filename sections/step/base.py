@@ -103,6 +103,10 @@ class Trainer:
             self._settle(local)
             self.replicas.check_owned(self.network.variables, self.optimizer)
             if not getattr(self.optimizer, "built", False):
+                from .calibrate import check_variables_fit  # it imports this module's neighbours
+
+                check_variables_fit(self.network, self.optimizer, self.meter.current(),
+                                    self.device_memory.total if self.device_memory.hard else None)
                 self.optimizer.build(self.network.trainable_variables)
         self._evaluators = (tf.function(self.replicas.wrap(self._evaluate_fn)), tf.function(self._evaluate_fn))
         self._prepare()

@@ -79,9 +79,15 @@ def slots_per_variable(optimizer) -> int:
     return sum(1 for v in probe.variables if tuple(v.shape) == (3, 5))
 
 
+class VariablesDoNotFit(ValueError):
+    """The model's variables and the optimizer's slots alone are more than the device holds: no batch, partition or
+    engine can train it (``check_variables_fit``)."""
+
+
 def check_variables_fit(network, optimizer, in_use: int, limit: int | None) -> None:
-    """Before the optimizer's slots are made: refuse in one line where the model's variables and those slots cannot
-    fit the device at all (making them there fails inside a kernel, which can end the process)."""
+    """Before the optimizer's slots are made: refuse in one line (``VariablesDoNotFit``) where the model's variables
+    and those slots cannot fit the device at all (making them there fails inside a kernel, which can end the process,
+    and leaves the optimizer half built)."""
     if limit is None or getattr(optimizer, "built", False):
         return
     sizes = [nbytes(v) for v in network.trainable_variables]
@@ -90,7 +96,7 @@ def check_variables_fit(network, optimizer, in_use: int, limit: int | None) -> N
     need = in_use + slots * weights + (max(sizes, default=0) if slots else 0)
     if need > limit:
         hb = rules.human_bytes
-        raise ValueError(f"the optimizer's {slots} slot(s) per variable ({hb(slots * weights)} for {hb(weights)} of "
+        raise VariablesDoNotFit(f"the optimizer's {slots} slot(s) per variable ({hb(slots * weights)} for {hb(weights)} of "
                          f"trainable variables), one more of the largest while a slot is made, and the {hb(in_use)} already in use "
                          f"need {hb(need)}, more than the "
                          f"device's {hb(limit)}: no partition of the step can fit; a device with more memory, or an "
