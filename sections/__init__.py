@@ -9,7 +9,7 @@ from importlib import import_module
 _EXPORTS = {
     "Engine": ".step.engine", "ReplayMismatchError": ".step.engine", "BudgetExceededError": ".step.engine",
     "WeightPenalty": ".step.executor", "host_copy": ".step.executor", "write_back": ".step.executor",
-    "VariablesDoNotFit": ".step.calibrate",
+    "VariablesDoNotFit": ".backend.device",
     "OutOfMemory": ".backend.device", "DeviceMemory": ".backend.device", "device_memory": ".backend.device",
     "device_budget": ".backend.device",
     "SectionedModel": ".keras_fit", "MicroBatched": ".step.accumulate",

@@ -372,20 +372,27 @@ def metrics(out: Path) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
-def test_batch_max_whose_optimizer_slots_cannot_fit_stops_in_one_line_naming_the_optimizer(tmp_path):
-    """Weights of 31 MiB, Adam's slots 62 MiB, a 90 MiB device: no batch fits. Before, whole's trials ran out making
-    the slots (leaving the optimizer half made: the next trial's step raised AttributeError), and restoring a trial's
-    state by assigning arrays on the full device ended the process (VGG16: a segmentation fault)."""
+@pytest.mark.parametrize("mib, hidden, batch, key, says", [
+    # weights 31 MiB, Adam's slots 62 MiB: whole's trials ran out making the slots, leaving the optimizer half made
+    # (the next trial's step raised AttributeError); restoring a trial's state by assigning arrays on the full
+    # device ended the process (VGG16: a segmentation fault)
+    (90, [1024] * 8, "max", "optimizer=Adam", "the optimizer's 2 slot(s) per variable"),
+    # a 64 MiB kernel's initializer on a 200 MiB device: the variables were left half made and the run said
+    # "sections=[logits]: Variable dense_0/dense/kernel is already initialized"
+    (200, [4096, 4096], "8", "model=mlp", "the model's variables could not be made on the device"),
+])
+def test_variables_or_slots_that_cannot_fit_stop_in_one_line_naming_the_model_or_optimizer(tmp_path, mib, hidden,
+                                                                                           batch, key, says):
     run = tmp_path / "run"
-    proc = on_device(90, "-m", "runner", "model=mlp", f"model.hidden=[{','.join(['1024'] * 8)}]", "data=synthetic",
-                     "data.image_shape=[28,28,1]", "data.train_size=256", "engine=whole", "batch=max",
-                     "train.steps=1", "train.eval_every=0", "train.verify_exact=false", "train.save_model=false",
-                     f"hydra.run.dir={run}")
+    proc = on_device(mib, "-m", "runner", "model=mlp", f"model.hidden=[{','.join(map(str, hidden))}]",
+                     "data=synthetic", "data.image_shape=[28,28,1]", "data.train_size=256", "engine=whole",
+                     f"batch={batch}", "train.steps=1", "train.eval_every=0", "train.verify_exact=false",
+                     "train.save_model=false", f"hydra.run.dir={run}")
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert errors[0].startswith("error: optimizer=Adam: the optimizer's 2 slot(s) per variable"), errors[0]
-    assert "more than the device's 90.0 MiB" in errors[0] and "(SGD)" in errors[0], errors[0]
+    assert errors[0].startswith(f"error: {key}: {says}"), errors[0]
+    assert errors[0].endswith("is needed."), errors[0]
 
 
 def test_a_whole_step_out_of_memory_is_one_line_with_what_would_fit_and_what_held_memory(tmp_path):

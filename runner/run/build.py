@@ -154,8 +154,8 @@ def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, 
     try:
         engine.build(probe)
     except ValueError as err:
-        if type(err).__name__ == "VariablesDoNotFit":  # no batch or partition helps: the optimizer is the value
-            raise ConfigError("optimizer", _short_target(cfg.optimizer._target_), str(err)) from err
+        if type(err).__name__ == "VariablesDoNotFit":
+            raise variables_answer(cfg, err) from err
         if raw:
             raise
         raise ConfigError("sections", sections, f"{err} (engine: {_brief(engine_args)})") from err
@@ -290,8 +290,19 @@ def _check_batch_fits(cfg: DictConfig, spec, network=None) -> None:
 
     if isinstance(spec, dict):
         whole = cfg.engine._target_ == "sections.WholeGraph"  # others hold one block's border pair at least
-        check_batch_fits(cfg.batch, spec, activation_bytes(network, spec, whole) if network is not None else None,
+        try:
+            per_example = activation_bytes(network, spec, whole) if network is not None else None
+        except ValueError as err:  # only sections.VariablesDoNotFit gets out of the estimate
+            raise variables_answer(cfg, err) from err
+        check_batch_fits(cfg.batch, spec, per_example,
                          outputs="block outputs" if whole else "the largest block's input and output")
+
+
+def variables_answer(cfg: DictConfig, err) -> ConfigError:
+    """``sections.VariablesDoNotFit``: no batch, partition or engine helps; the model (its variables could not be
+    made) or the optimizer (its slots) is the value to change."""
+    key = "model" if getattr(err, "what", "") == "model" else "optimizer"
+    return ConfigError(key, _short_target(cfg[key]._target_), str(err))
 
 
 def resolve_sections(cfg: DictConfig):

@@ -132,6 +132,15 @@ def held_outside(meter) -> int:
     return max(0, resident - meter.current())
 
 
+class VariablesDoNotFit(ValueError):
+    """What no batch, partition or engine can train: the model's variables could not be made on the device
+    (``what="model"``), or they and the optimizer's slots are more than it holds (``what="optimizer"``)."""
+
+    def __init__(self, message: str, what: str):
+        super().__init__(message)
+        self.what = what
+
+
 class OutOfMemory(RuntimeError):
     """A step ran out of the device's memory: which device, what the failing allocation asked for (bytes and
     shape, where TensorFlow's message names them) and what was in use when it failed."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -151,8 +152,19 @@ class Network:
         specs = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), dict(batch))
         # In a stateless scope Keras defers creating variables to the scope's exit, where they are made
         # eagerly (so a strategy's scope mirrors them), and the trace's state writes are dropped.
-        with keras.StatelessScope():
-            tf.function(lambda b: self.forward(b, training=True)).get_concrete_function(specs)
+        try:
+            with keras.StatelessScope():
+                tf.function(lambda b: self.forward(b, training=True)).get_concrete_function(specs)
+        except tf.errors.ResourceExhaustedError as err:  # left half made: a second build says "already initialized"
+            from ..backend.device import VariablesDoNotFit
+            from ..backend.structure import nbytes
+
+            failed = re.search(r"OOM when allocating tensor with (shape\[[^\]]*\]) and type (\w+)", str(err))
+            failed = f"{failed.group(2)} {failed.group(1)}" if failed else str(err).splitlines()[0][:120]
+            raise VariablesDoNotFit(
+                f"the model's variables could not be made on the device: it ran out of memory initializing them "
+                f"({rules.human_bytes(nbytes(self.variables))} of variables declared; the failing allocation "
+                f"{failed}); a device with more memory, or a smaller model, is needed.", what="model") from None
 
     @classmethod
     def from_keras(cls, model, loss, inputs: str = "image", fields=None, metrics=None, loss_fields=None,

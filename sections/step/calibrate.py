@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import tensorflow as tf
 
 from .. import rules
-from ..backend.device import OutOfMemory
+from ..backend.device import OutOfMemory, VariablesDoNotFit
 from ..backend.profile import gradient_bytes
 from ..backend.structure import nbytes
 from ..schedule.planner import NoPlanFits, Plan, plan_schedule
@@ -79,11 +79,6 @@ def slots_per_variable(optimizer) -> int:
     return sum(1 for v in probe.variables if tuple(v.shape) == (3, 5))
 
 
-class VariablesDoNotFit(ValueError):
-    """The model's variables and the optimizer's slots alone are more than the device holds: no batch, partition or
-    engine can train it (``check_variables_fit``)."""
-
-
 def check_variables_fit(network, optimizer, in_use: int, limit: int | None) -> None:
     """Before the optimizer's slots are made: refuse in one line (``VariablesDoNotFit``) where the model's variables
     and those slots cannot fit the device at all (making them there fails inside a kernel, which can end the process,
@@ -100,7 +95,7 @@ def check_variables_fit(network, optimizer, in_use: int, limit: int | None) -> N
                          f"trainable variables), one more of the largest while a slot is made, and the {hb(in_use)} already in use "
                          f"need {hb(need)}, more than the "
                          f"device's {hb(limit)}: no partition of the step can fit; a device with more memory, or an "
-                         f"optimizer with fewer slots (SGD), is needed.")
+                         f"optimizer with fewer slots (SGD), is needed.", what="optimizer")
 
 
 @dataclass(frozen=True)
