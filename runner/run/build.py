@@ -193,7 +193,7 @@ def _largest(cfg: DictConfig, data, network, sections, strategy, folder=None, co
     start_search(folder, cfg, said, keep=bool(earlier))
 
     floors = []  # sections=auto: each trial's floor (Engine.memory_floor), which the search extrapolates
-    built = []  # the batches whose engines were built (and so stepped this optimizer)
+    stepped = []  # the trials whose engines stepped this optimizer (a built engine's steps, a plan's dry steps)
 
     def try_batch(batch: int):
         nonlocal optimizer
@@ -209,15 +209,17 @@ def _largest(cfg: DictConfig, data, network, sections, strategy, folder=None, co
             # bound (about the device's size at any batch above it): no floor, the trial bounds the search alone.
             bound = getattr(err, "lower_bound", False)
             floor = dataclasses.replace(floors[-1], least=smallest) if floors and smallest and not bound else None
+            stepped.append(batch)
             return Trial(batch, False, smallest or None, "no plan fits", floor)
         except engine_lib.OutOfMemory as err:
+            stepped.append(batch)
             return Trial(batch, False, err.in_use + (err.requested or 0), "out of memory while planning")
         except tf.errors.ResourceExhaustedError:  # outside a dry step: an eager op of the build at this batch
             # (EfficientNetB0 at batch 51 on a 352 MiB device: a Sigmoid of the borders' pass) ended the search
-            if not built:  # it may have run out making the optimizer's slots, leaving it half made: a new one
+            if not stepped:  # it may have run out making the optimizer's slots, leaving it half made: a new one
                 optimizer = new_optimizer(cfg, strategy)  # (never stepped, so dropping it frees its slots)
             return Trial(batch, False, None, "out of memory while building its engine")
-        built.append(batch)
+        stepped.append(batch)
         stops.check()  # planning is over: a signal whose first raise was lost stops here
         if engine.plan is not None:  # sections=auto: its dry steps ran the plan under the budget
             floors.append(engine.memory_floor)
