@@ -258,6 +258,9 @@ def main() -> None:
             if len(runs) > 1:
                 same = len({json.dumps([r.get("starts"), r.get("policies")]) for r in runs}) == 1
                 print(f"  {fraction:.1f}: {len(runs)} processes chose {'the same plan' if same else 'different plans'}")
+                if not same:
+                    for r in runs:
+                        print(f"    starts {r.get('starts')}, policies {r.get('policies')}")
 
 
 if __name__ == "__main__":
