@@ -45,7 +45,9 @@ def activation_bytes(network, spec, whole: bool = True) -> int | None:
             return sum(sizes)
         return max((a + b for a, b in zip([0, *sizes], sizes)), default=0)
     except Exception as err:  # noqa: BLE001 - an estimate: the run's own build reports what is wrong with the network
-        if type(err).__name__ == "VariablesDoNotFit":  # the variables half made: no later build could report it
+        from sections import VariablesDoNotFit
+
+        if isinstance(err, VariablesDoNotFit):  # the variables half made: no later build could report it
             raise
         return None
 

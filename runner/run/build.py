@@ -154,7 +154,9 @@ def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, 
     try:
         engine.build(probe)
     except ValueError as err:
-        if type(err).__name__ == "VariablesDoNotFit":
+        import sections as engine_lib
+
+        if isinstance(err, engine_lib.VariablesDoNotFit):
             raise variables_answer(cfg, err) from err
         if raw:
             raise
@@ -294,7 +296,7 @@ def _check_batch_fits(cfg: DictConfig, spec, network=None) -> None:
         whole = cfg.engine._target_ == "sections.WholeGraph"  # others hold one block's border pair at least
         try:
             per_example = activation_bytes(network, spec, whole) if network is not None else None
-        except ValueError as err:  # only sections.VariablesDoNotFit gets out of the estimate
+        except ValueError as err:  # the estimate lets only sections.VariablesDoNotFit out
             raise variables_answer(cfg, err) from err
         check_batch_fits(cfg.batch, spec, per_example,
                          outputs="block outputs" if whole else "the largest block's input and output")
@@ -303,7 +305,7 @@ def _check_batch_fits(cfg: DictConfig, spec, network=None) -> None:
 def variables_answer(cfg: DictConfig, err) -> ConfigError:
     """``sections.VariablesDoNotFit``: no batch, partition or engine helps; the model (its variables could not be
     made) or the optimizer (its slots) is the value to change."""
-    key = "model" if getattr(err, "what", "") == "model" else "optimizer"
+    key = "model" if err.what == "model" else "optimizer"
     return ConfigError(key, _short_target(cfg[key]._target_), str(err))
 
 

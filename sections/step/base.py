@@ -21,6 +21,7 @@ from ..network.network import Network
 from ..schedule.partition import Section, balanced_starts, format_table
 from ..schedule.program import Schedule
 from ..telemetry import StepReading
+from .calibrate import check_variables_fit
 from .section_functions import Borders, Compiled
 
 
@@ -95,6 +96,10 @@ class Trainer:
         local = self.replicas.first_slice(dict(batch))
         with self.replicas.scope():
             self.network.build(local)
+            # Any engine, before eager work at the batch and before the slots are made: a device too small for
+            # the variables and slots stops here in one line (VariablesDoNotFit)
+            check_variables_fit(self.network, self.optimizer, self.meter.current(),
+                                self.device_memory.total if self.device_memory.hard else None)
             small, real = probe_slice(self.network, local, SPEC_BATCH)
             with lean_scope(self.lean or False):  # lean attention: no n x n tensor in this eager run
                 outputs, inputs = output_specs(self.network, small, real)
@@ -103,10 +108,6 @@ class Trainer:
             self._settle(local)
             self.replicas.check_owned(self.network.variables, self.optimizer)
             if not getattr(self.optimizer, "built", False):
-                from .calibrate import check_variables_fit  # it imports this module's neighbours
-
-                check_variables_fit(self.network, self.optimizer, self.meter.current(),
-                                    self.device_memory.total if self.device_memory.hard else None)
                 self.optimizer.build(self.network.trainable_variables)
         self._evaluators = (tf.function(self.replicas.wrap(self._evaluate_fn)), tf.function(self._evaluate_fn))
         self._prepare()

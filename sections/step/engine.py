@@ -19,7 +19,7 @@ from ..network.network import Network
 from ..schedule.policies import Recompute, resolve
 from ..schedule.program import Schedule
 from .base import Trainer, _as_tensors
-from .calibrate import BudgetExceededError, Calibrator, PlanCosts, check_variables_fit, replanning
+from .calibrate import BudgetExceededError, Calibrator, PlanCosts, replanning
 from .section_functions import Compiled, ReplayMismatchError, compile_schedule
 from .executor import DryStep, Executor, WeightPenalty
 from .measure import Measurer
@@ -196,8 +196,6 @@ class Engine(Trainer):
 
             raise ValueError(f"sections='auto' plans on measured memory, but the allocator of "
                              f"{', '.join(self.meter.devices)} keeps no statistics: {missing_statistics_advice()}.")
-        check_variables_fit(self.network, self.optimizer, self.meter.current(),
-                            self.device_memory.total if self.device_memory.hard else None)
         costs = PlanCosts.of(self.network, self.optimizer, self.borders, self.apply_reason is None)
         # What the device holds beside the model, its optimizer and the batch (an input pipeline's buffers, where
         # they share the device): every step's peak includes it, so the first plan does too.
