@@ -5,8 +5,9 @@ The cost model counts each block's bytes from its trace (exact shapes at the rea
 over its prediction) gives a point ``(modelled, measured)`` in bytes beyond the base (variables, optimizer slots,
 the batch), and ``fit`` takes the most cautious correction they show. The least-memory plan's dry step comes
 first (a refusal rests on it); then the fastest plan the corrected count puts under the budget with a margin (after
-one ran out, at most halfway to the least-memory plan); a plan runs when its dry step, plus what its repeated runs
-differed by, is within the budget. At most ``DRY_STEPS`` dry steps.
+one ran out, at most halfway to the least-memory plan), chosen for a room on a ladder the counts alone fix
+(``rung``); a plan runs when its dry step, plus what its repeated runs differed by, is within the budget. At most
+``DRY_STEPS`` dry steps.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ MARGIN = 0.10
 # Figures below this say more about the allocator's rounding than about the model (oneDNN's CPU allocator counts
 # nothing under 256 KiB; a small net's block read 3x its count at batch 16 and less at 64): not fitted.
 RESOLUTION = 2**20
+# The rooms a plan is chosen for: the least-memory plan's count times RUNG**k. The measured correction moves by
+# process (the same plan read 200.6-219.0 MiB in three processes: the allocator's heap differs by its history), and
+# the fastest plan within a room that moves with it differs too (ResNet: three processes, three partitions); a room
+# from this ladder changes only where the correction crosses a rung. A wider rung is steadier and gives up more room
+# (1/RUNG at most; time against room is flat here: 4 and 8 sections within 2-7% at 0.5 of whole's peak).
+RUNG = 2**0.5
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,15 @@ class Refuse:
     step: DryStep | None  # the least-memory plan's dry step (None: nothing could be dry-run)
 
 
+def rung(room: float, floor: int) -> int:
+    """The largest room on the ladder ``floor * RUNG**k`` (k >= 0) that is not above ``room``; ``room`` itself where
+    it is below ``floor`` or ``floor`` is nothing."""
+    if floor <= 0 or room < floor:
+        return int(room)
+    k = math.floor(math.log(room / floor, RUNG) + 1e-9)
+    return int(floor * RUNG**k)
+
+
 def decide(search: Search, plan_within: Callable[[int], Candidate | None], least: Callable[[], Candidate],
            spread: int = 0) -> Try | Run | Refuse:
     """The next move: ``plan_within(bytes)``: the planner's fastest candidate whose modelled bytes stay within that
@@ -178,8 +194,9 @@ def decide(search: Search, plan_within: Callable[[int], Candidate | None], least
     and what the count cannot see (the allocator's whole chunks, kernels' buffers: 10-57% over the count on the
     first plans of four models, and the same plan 302-407 MiB in different processes) is measured where running
     out is least likely. Where it does not fit, nothing does. Where it fits, the fastest plan the corrected count
-    puts within the budget's line is tried next; after a plan runs out, one at most halfway from the least-memory
-    plan to it. Of the plans that fit, the fastest runs."""
+    puts within the budget's line is tried next, the room snapped down to the ladder (``rung``): the correction
+    differs by process, the ladder does not; after a plan runs out, one at most halfway from the least-memory plan
+    to it. Of the plans that fit, the fastest runs."""
     floor = least()
     if not search.tried(floor):
         return Try(floor, "the least-memory plan first: measured where it is most likely to fit")
@@ -194,7 +211,7 @@ def decide(search: Search, plan_within: Callable[[int], Candidate | None], least
         # A plan that ran out measured a lower bound only: the line through it need not rule out plans nearly as
         # large. The next one lies at most halfway from the least-memory plan to the smallest that ran out.
         room = min(room, floor.modelled + (min(ran_out) - floor.modelled) // 2)
-    target = plan_within(room)
+    target = plan_within(rung(room, floor.modelled))
     if target is not None and not search.tried(target) and target.work < best.candidate.work:
         why = ("the fastest plan the measured correction puts within the budget" if not ran_out else
                "a plan at most halfway from the least-memory plan to the one that ran out")
