@@ -436,6 +436,21 @@ def test_sections_auto_without_a_budget_trains_within_the_device(tmp_path):
     assert "the device's memory, CPU:0: 350.0 MiB (TF_CPU_BFC_MEM_LIMIT_IN_MB=350)" in proc.stderr + proc.stdout
 
 
+@pytest.mark.slow  # 2 x 40-80 s
+def test_two_processes_of_one_command_run_the_same_partition_and_policies(tmp_path):
+    """Item 5: the plan after the least-memory plan's dry step is chosen for a room on a ladder the counts fix, so
+    readings that differ by process (the allocator's heap) do not move the partition."""
+    plans = []
+    for k in range(2):
+        out = tmp_path / f"run{k}"
+        proc = on_device(350, "-m", "runner", *RESNET, "sections=auto", "batch=512", "train.steps=1",
+                         f"hydra.run.dir={out}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        m = metrics(out)
+        plans.append((m["section_blocks"], m["policies"], [d["measured"] for d in m["planning_dry_steps"]]))
+    assert plans[0][:2] == plans[1][:2], plans
+
+
 @pytest.mark.slow
 def test_batch_max_trains_at_least_twice_the_batch_whole_can(tmp_path):
     found = {}
