@@ -40,6 +40,10 @@ ZOO = {  # name: (builder, args, batch, input shape)
     "vgg16": ("keras_app", {"name": "VGG16"}, 32, (64, 64, 3)),
     "gpt2": ("keras_hub", {"name": "GPT2Backbone", "args": {"num_layers": 4, "num_heads": 4, "hidden_dim": 128,
                                                              "intermediate_dim": 512}}, 4, (1024,)),
+    # A text encoder with a label per token (bidirectional attention; the padding mask and segment ids made inside).
+    "bert": ("keras_hub", {"name": "BertBackbone", "task": "token_classification",
+                           "args": {"num_layers": 4, "num_heads": 4, "hidden_dim": 128, "intermediate_dim": 512}},
+             4, (1024,)),
 }
 
 
@@ -65,7 +69,10 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
                 "refused": "the device ran out building the model itself, before any engine"}
     if kind == "keras_hub":
         tokens = tf.random.uniform((batch_size, shape[0] + 1), 0, 256, dtype=tf.int32)
-        batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}  # next-token prediction
+        if args.get("task") == "token_classification":
+            batch = {"tokens": tokens[:, :-1], "label": tokens[:, 1:] % 10}
+        else:
+            batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}  # next-token prediction
     else:
         batch = {"image": tf.random.uniform((batch_size, *shape)), "label": tf.range(batch_size) % 10}
     opt = keras.optimizers.Adam(1e-3)
@@ -114,6 +121,9 @@ def _build(kind: str, args: dict, shape: tuple):
         return build_keras_app(args["name"], num_classes=10, input_shape=list(shape))
     from models.keras_hub import build_keras_hub
 
+    if args.get("task") == "token_classification":
+        return build_keras_hub(args["name"], args=args["args"], task=args["task"], vocab_size=256, seq_len=shape[0],
+                               num_classes=10, labels="token")
     return build_keras_hub(args["name"], args=args["args"], vocab_size=256, seq_len=shape[0])
 
 
