@@ -86,28 +86,37 @@ def test_group_boundaries(name, digits, reversal):
     assert all(len(b.layer.trainable_variables) == 0 for b in net.blocks)  # built lazily, by data
 
 
-# Found in the twenty-third session, not yet explained: the ResNet case failed in both of that session's CI runs
-# and in 2 of 3 runs of this file at the commit before it (a relative distance of 1.1% over the Adam update in those
-# runs, 5e-6 in the others: which depends on the tests run before it in the process, and on load); in a fresh
-# process with plain SGD and no dropout the engine's update differs from the tape loop's by 0.12% of its size every
-# time (Adam, whose first step is the gradient's sign, hides a gradient's magnitude). Open: the closing note.
-UNEXPLAINED = pytest.mark.xfail(strict=False, reason="the ResNet's update differs from the tape loop's by order, "
-                                "load or optimizer (0.12-1.1% of the update); under investigation")
+# Open (twenty-third session): the ResNet case fails in some runs (about 1 in 8 of this file alone; both of that
+# session's first CI runs with the old free-running comparison, and at the commit before it). Step by step from the
+# same weights, one failing run had scale1_block_0/projection/kernel[0,0,0,1] at -0.537 after the engine's step and
+# -0.967 after the tape loop's (SGD 0.1: a gradient of 4.3 on one element whose neighbours moved by 1e-4), the
+# others equal: a large, intermittent difference in one of the two, not rounding. Which one is not yet known.
+INTERMITTENT = pytest.mark.xfail(strict=False, reason="the ResNet's step differs from the tape loop's in some runs "
+                                 "(one projection-kernel element by 0.43); under investigation")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=UNEXPLAINED) if n == "resnet" else n for n in TINY])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=INTERMITTENT) if n == "resnet" else n for n in TINY])
 def test_sectioned_steps_equal_whole_graph_steps(name, digits, reversal):
-    """Cut at every group boundary, recompute policy, replay checked: 2 steps equal a plain tape loop."""
+    """Cut at every group boundary, recompute policy, replay checked: each of 2 steps, taken from the same weights
+    (and seed state), equals a plain tape loop's step, element by element. Each step starts where the reference's
+    last ended, not where the engine's did: two free-running trajectories of the tiny ResNet separate after a step
+    that agreed to 1.6e-5 of its update (its batch-norm betas' gradients nearly cancel, and ReLU kinks move), and
+    Adam turned that into 1.1% of its update in some runs. Plain SGD, so the weights compare the gradients (Adam's
+    first step is each gradient's sign); Adam over several steps is tests/test_engine_equivalence.py's."""
     source = _source(name, digits, reversal)
     batches = _batches(source, 2)
     sectioned, whole = _build(name, source), _build(name, source)
     whole.build(batches[0])
-    engine = Engine(sectioned, keras.optimizers.Adam(1e-2), sections=GROUP_CUTS[name], policy="recompute", check=True)
-    losses = [engine.train_step(b)["loss"] for b in batches]
-    reference = reference_train(whole, batches, keras.optimizers.Adam(1e-2))
+    engine = Engine(sectioned, keras.optimizers.SGD(0.1), sections=GROUP_CUTS[name], policy="recompute", check=True)
+    for k, batch in enumerate(batches):
+        if k:  # the reference's weights, batch-norm statistics and seed state, into the engine's own variables
+            for ours, theirs in zip(sectioned.variables, whole.variables):
+                ours.assign(theirs.numpy())
+        loss = engine.train_step(batch)["loss"]
+        reference = reference_train(whole, [batch], keras.optimizers.SGD(0.1))
+        np.testing.assert_allclose(loss, reference[0], rtol=1e-4, atol=1e-5)
+        _assert_same_variables(sectioned, whole)
     assert len(engine.sections) == len(GROUP_CUTS[name]) + 1
-    np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-5)
-    _assert_same_variables(sectioned, whole)
 
 
 def test_split_resnet_cut_inside_residual_blocks_trains_like_the_whole_resnet(digits):
