@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import keras
@@ -86,13 +87,12 @@ def test_group_boundaries(name, digits, reversal):
     assert all(len(b.layer.trainable_variables) == 0 for b in net.blocks)  # built lazily, by data
 
 
-# Open (twenty-third session): the ResNet case fails in some runs (about 1 in 8 of this file alone; both of that
-# session's first CI runs with the old free-running comparison, and at the commit before it). Step by step from the
-# same weights, one failing run had scale1_block_0/projection/kernel[0,0,0,1] at -0.537 after the engine's step and
-# -0.967 after the tape loop's (SGD 0.1: a gradient of 4.3 on one element whose neighbours moved by 1e-4), the
-# others equal: a large, intermittent difference in one of the two, not rounding. Which one is not yet known.
-INTERMITTENT = pytest.mark.xfail(strict=False, reason="the ResNet's step differs from the tape loop's in some runs "
-                                 "(one projection-kernel element by 0.43); under investigation")
+# With oneDNN's CPU kernels the plain tape loop itself is not repeatable on the tiny ResNet: two tape loops from the
+# same weights in one process put scale1_block_0/projection/kernel[0,0,0,1] at -0.5405 and -0.6475 after one SGD
+# step (the engine matched one of them); about 1 run in 4 of this case fails so. With TensorFlow's own kernels
+# (TF_ENABLE_ONEDNN_OPTS=0) 8 of 8 runs passed: there the case is a plain assertion.
+INTERMITTENT = pytest.mark.xfail(os.environ.get("TF_ENABLE_ONEDNN_OPTS") != "0", strict=False,
+                                 reason="oneDNN's kernels: the tape loop's own step is not repeatable on this model")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=INTERMITTENT) if n == "resnet" else n for n in TINY])
