@@ -85,3 +85,15 @@ def test_fit_forms_documented_command_parses():
     assert len(commands) == 1, commands
     args = module.build_parser().parse_args(shlex.split(commands[0])[2:])
     assert args.models == ["gpt2", "resnet", "efficientnetb0"]
+
+
+def test_onednn_pointwise_documented_commands_parse():
+    path = ROOT / "docs" / "bench" / "exactness" / "onednn_pointwise.py"
+    module = _module(path)
+    commands = [line.strip() for line in module.__doc__.splitlines() if "onednn_pointwise.py" in line and "python" in line]
+    assert len(commands) == 2, commands
+    runs = [module.build_parser().parse_args(shlex.split(c.split("#")[0])[2:]).runs for c in commands]
+    assert runs == [200, 20]
+    assert "docs/bench/exactness/onednn_pointwise.py" in (ROOT / "BENCHMARKS.md").read_text()
+    proc = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--runs" in proc.stdout, proc.stderr

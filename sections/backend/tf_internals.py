@@ -18,7 +18,7 @@ import warnings
 
 __all__ = ["TOUCH_POINTS", "written_for", "set_gradient_function", "record_operation", "variable_watcher",
            "identity_n", "in_xla_compile", "type_spec_class", "disable_op_determinism", "runtime_started",
-           "write_checkpoint_state", "checkpoint_state_parses", "unpruned_calls"]
+           "write_checkpoint_state", "checkpoint_state_parses", "unpruned_calls", "onednn_enabled"]
 
 #: ``{"module.function": (package, lowest, first unsupported)}``: the releases each touch point was written for.
 TOUCH_POINTS: dict = {}
@@ -152,6 +152,19 @@ def runtime_started() -> bool:
         return bool(getattr(context.context(), "_initialized", True))
     except Exception:  # noqa: BLE001 - unknown: say started
         return True
+
+
+@written_for(*TENSORFLOW)
+def onednn_enabled() -> bool | None:
+    """Whether this process runs oneDNN's CPU kernels (``_pywrap_util_port.IsMklEnabled``: what TensorFlow decided
+    from ``TF_ENABLE_ONEDNN_OPTS`` and the CPU). Absent: None (unknown), with a warning once."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        _warn_once("_pywrap_util_port.IsMklEnabled", "whether oneDNN's kernels run is not known")
+        return None
 
 
 # ------------------------------------------------------------------------------------------- function calls

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
+import weakref
 
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -11,6 +13,7 @@ import tensorflow as tf
 
 from .. import rules
 from ..backend.device import Budget, OutOfMemory, device_memory, held_outside, resolve_budget
+from ..backend.kernel_faults import wrong_gradient_warning
 from ..backend.lean import lean_scope
 from ..backend.memory import MemoryMeter, below_resolution
 from ..backend.precision import unscale
@@ -23,6 +26,9 @@ from ..schedule.program import Schedule
 from ..telemetry import StepReading
 from .calibrate import check_variables_fit
 from .section_functions import Borders, Compiled
+
+log = logging.getLogger("sections")
+_WARNED = weakref.WeakSet()  # networks whose kernel faults were said (a batch=max search builds many engines)
 
 
 class Trainer:
@@ -96,6 +102,7 @@ class Trainer:
         local = self.replicas.first_slice(dict(batch))
         with self.replicas.scope():
             self.network.build(local)
+            self._say_kernel_faults()
             # Any engine, before eager work at the batch and before the slots are made: a device too small for
             # the variables and slots stops here in one line (VariablesDoNotFit)
             check_variables_fit(self.network, self.optimizer, self.meter.current(),
@@ -112,6 +119,15 @@ class Trainer:
         self._evaluators = (tf.function(self.replicas.wrap(self._evaluate_fn)), tf.function(self._evaluate_fn))
         self._prepare()
         self._built = True
+
+    def _say_kernel_faults(self) -> None:
+        """One warning per network where a CPU kernel this process runs computes one of its gradients wrongly."""
+        if self.network in _WARNED or not self.device_memory.device.upper().startswith("CPU"):
+            return
+        line = wrong_gradient_warning(self.network.layers)
+        if line:
+            _WARNED.add(self.network)
+            log.warning(line)
 
     @property
     def sections(self) -> list[Section]:

@@ -1,0 +1,70 @@
+"""Layers that meet a kernel known to compute a wrong gradient are named, and every engine says so once at build."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from sections import Engine, Network
+from sections.backend import kernel_faults, tf_internals
+from sections.backend.kernel_faults import ISSUE, strided_pointwise_convs, wrong_gradient_warning
+
+
+def _built(layer, channels):
+    layer.build((None, 14, 14, channels))
+    return layer
+
+
+@pytest.mark.parametrize("layer, channels, named", [
+    (lambda: keras.layers.Conv2D(8, 1, strides=2, name="c"), 4, True),
+    (lambda: keras.layers.Conv2D(8, 1, strides=(2, 1), name="c"), 15, True),
+    (lambda: keras.layers.Conv2D(8, 1, strides=2, name="c"), 16, False),  # a whole channel block
+    (lambda: keras.layers.Conv2D(8, 3, strides=2, name="c"), 4, False),   # not 1x1
+    (lambda: keras.layers.Conv2D(8, 1, name="c"), 4, False),              # stride 1
+    (lambda: keras.layers.Conv2DTranspose(8, 1, strides=2, name="c"), 4, False),
+    (lambda: keras.layers.DepthwiseConv2D(1, strides=2, name="c"), 4, False)])
+def test_strided_pointwise_convs_are_named(layer, channels, named):
+    assert strided_pointwise_convs([_built(layer(), channels)]) == (["c"] if named else [])
+
+
+def test_nested_layers_are_found_and_the_line_names_them_and_the_way_out():
+    inp = keras.Input((14, 14, 4))
+    inner = keras.Model(inp, keras.layers.Conv2D(8, 1, strides=2, name="projection")(inp), name="block")
+    outer_in = keras.Input((14, 14, 4))
+    model = keras.Model(outer_in, inner(outer_in))
+    assert strided_pointwise_convs([model]) == ["projection"]
+    line = wrong_gradient_warning([model], onednn=True)
+    assert ISSUE in line and "projection" in line and "TF_ENABLE_ONEDNN_OPTS=0" in line
+    assert wrong_gradient_warning([model], onednn=False) is None
+    assert wrong_gradient_warning([_built(keras.layers.Conv2D(8, 1, strides=2), 16)], onednn=True) is None
+
+
+def test_onednn_enabled_reads_what_the_process_runs():
+    setting = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+    if setting not in ("0", "1"):
+        pytest.skip("TF_ENABLE_ONEDNN_OPTS unset: TensorFlow's choice by CPU")
+    assert tf_internals.onednn_enabled() is (setting == "1")
+
+
+def _network():
+    inp = keras.Input((14, 14, 4), name="image")
+    h = keras.layers.Conv2D(8, 1, strides=2, name="projection")(inp)
+    out = keras.layers.Dense(3, name="logits")(keras.layers.GlobalAveragePooling2D(name="pool")(h))
+    xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return Network.from_keras(keras.Model(inp, out), loss=lambda logits, batch: xent(batch["label"], logits))
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_an_engine_build_warns_once_where_onednn_runs(onednn, monkeypatch, caplog):
+    monkeypatch.setattr(kernel_faults.tf_internals, "onednn_enabled", lambda: onednn)
+    batch = {"image": np.zeros((2, 14, 14, 4), "float32"), "label": np.zeros((2,), "int32")}
+    net = _network()
+    with caplog.at_level(logging.WARNING, logger="sections"):
+        Engine(net, keras.optimizers.SGD(0.1), sections=1).build(batch)
+        Engine(net, keras.optimizers.SGD(0.1), sections=1).build(batch)  # a batch=max search builds many
+    said = [r.getMessage() for r in caplog.records if ISSUE in r.getMessage()]
+    assert len(said) == (1 if onednn else 0) and (not said or "projection" in said[0])
