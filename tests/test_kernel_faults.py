@@ -63,8 +63,21 @@ def test_an_engine_build_warns_once_where_onednn_runs(onednn, monkeypatch, caplo
     monkeypatch.setattr(kernel_faults.tf_internals, "onednn_enabled", lambda: onednn)
     batch = {"image": np.zeros((2, 14, 14, 4), "float32"), "label": np.zeros((2,), "int32")}
     net = _network()
+    engines = [Engine(net, keras.optimizers.SGD(0.1), sections=1) for _ in range(2)]  # batch=max builds many
     with caplog.at_level(logging.WARNING, logger="sections"):
-        Engine(net, keras.optimizers.SGD(0.1), sections=1).build(batch)
-        Engine(net, keras.optimizers.SGD(0.1), sections=1).build(batch)  # a batch=max search builds many
+        for engine in engines:
+            engine.build(batch)
     said = [r.getMessage() for r in caplog.records if ISSUE in r.getMessage()]
     assert len(said) == (1 if onednn else 0) and (not said or "projection" in said[0])
+    assert [e.kernel_faults for e in engines] == (said * 2 if onednn else [None, None])
+
+
+def test_the_runners_exactness_line_names_the_fault_only_where_the_step_differs():
+    from types import SimpleNamespace
+
+    from runner.run.train import _fault_note
+
+    engine = SimpleNamespace(kernel_faults="oneDNN computes a wrong filter gradient ... here projection")
+    assert _fault_note(engine, exact=False) == f"; a known kernel fault can explain it: {engine.kernel_faults}"
+    assert _fault_note(engine, exact=True) == ""
+    assert _fault_note(SimpleNamespace(kernel_faults=None), exact=False) == ""

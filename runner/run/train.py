@@ -207,13 +207,19 @@ def verify_exact(engine: TrainerProtocol, batch, examples: int = 64) -> dict:
              f"{allowed:.2g}: the whole step's own rounding sensitivity is "
              f"{report.get('sensitivity', math.nan):.2g}; "
              f"state max |difference| {report['state_max_abs_diff']:.2g}; worst variable: "
-             f"{report['worst_variable'] or '-'})")
+             f"{report['worst_variable'] or '-'})" + _fault_note(engine, exact))
     return {"exact": exact, "exact_gradient_rel_error": report["gradient_rel_error"],
             "exact_tolerance": allowed, "exact_sensitivity": report.get("sensitivity", math.nan),
             "exact_state_max_abs_diff": report["state_max_abs_diff"],
             "exact_worst_variable": report["worst_variable"],
             **({"exact_micro_batches": report["micro_batches"], "exact_one_step_rel_error":
                 report["one_step_rel_error"]} if "micro_batches" in report else {})}
+
+
+def _fault_note(engine, exact: bool) -> str:
+    """Where a step differs and a kernel is known to compute one of the model's gradients wrongly: that line."""
+    fault = getattr(engine, "kernel_faults", None)
+    return f"; a known kernel fault can explain it: {fault}" if fault and not exact else ""
 
 
 def _micro_note(report: dict) -> str:

@@ -31,7 +31,7 @@ def _every_layer(items):
 
 
 def strided_pointwise_convs(layers) -> list[str]:
-    """Names of the built ``Conv2D`` layers among ``layers`` (nested ones too) with a 1x1 kernel, a stride over 1
+    """Paths of the built ``Conv2D`` layers among ``layers`` (nested ones too) with a 1x1 kernel, a stride over 1
     and fewer than ``ONEDNN_CHANNEL_BLOCK`` input channels per group."""
     found = []
     for layer in _every_layer(layers):
@@ -41,7 +41,8 @@ def strided_pointwise_convs(layers) -> list[str]:
             continue
         shape = tuple(kernel.shape)
         if shape[:2] == (1, 1) and max(layer.strides) > 1 and shape[2] < ONEDNN_CHANNEL_BLOCK:
-            found.append(layer.name)
+            path = getattr(kernel, "path", "")  # the variable's path names the layer where its name repeats
+            found.append(path.rsplit("/", 1)[0] if "/" in path else layer.name)
     return list(dict.fromkeys(found))
 
 

@@ -76,6 +76,9 @@ class Trainer:
         if self.request.sections == "auto":
             self.budget = resolve_budget(memory_budget, self.device_memory, held_outside(self.meter))
         self._built = False
+        #: Set at build where a kernel this process runs computes one of the model's gradients wrongly: the
+        #: warning's line (``sections.backend.kernel_faults``); else None.
+        self.kernel_faults: str | None = None
         #: Whether a step's reading was 0 bytes: nothing it allocated was counted (``memory_note`` says why).
         self.below_resolution = False
 
@@ -121,13 +124,16 @@ class Trainer:
         self._built = True
 
     def _say_kernel_faults(self) -> None:
-        """One warning per network where a CPU kernel this process runs computes one of its gradients wrongly."""
-        if self.network in _WARNED or not self.device_memory.device.upper().startswith("CPU"):
+        """One warning per network where a CPU kernel this process runs computes one of its gradients wrongly
+        (``kernel_faults``: that line, else None)."""
+        if not self.device_memory.device.upper().startswith("CPU"):
             return
         line = wrong_gradient_warning(self.network.layers)
         if line:
-            _WARNED.add(self.network)
-            log.warning(line)
+            self.kernel_faults = line
+            if self.network not in _WARNED:
+                _WARNED.add(self.network)
+                log.warning(line)
 
     @property
     def sections(self) -> list[Section]:
