@@ -147,6 +147,7 @@ class TrainerProtocol(Protocol):
     lean: bool | str | None  # None: a trainer without lean gradients
     apply_reason: str | None  # why the update runs once after the whole backward (None: in the backward)
     micro_batch: int | None  # sections.MicroBatched: the most examples a step runs at once (None: the whole batch)
+    kernel_faults: str | None  # after build: a CPU kernel known to compute one of the model's gradients wrongly, in a line
 
     @property
     def sections(self) -> list: ...  # sections.Section each (empty before build)

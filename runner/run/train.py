@@ -218,7 +218,7 @@ def verify_exact(engine: TrainerProtocol, batch, examples: int = 64) -> dict:
 
 def _fault_note(engine, exact: bool) -> str:
     """Where a step differs and a kernel is known to compute one of the model's gradients wrongly: that line."""
-    fault = getattr(engine, "kernel_faults", None)
+    fault = engine.kernel_faults
     return f"; a known kernel fault can explain it: {fault}" if fault and not exact else ""
 
 
