@@ -5,9 +5,9 @@ its workspace when the input has fewer channels than its channel block (8 with A
 uxlfoundation/oneDNN#6035, open. TensorFlow's ``Conv2DBackpropFilter`` runs it where oneDNN is on, so the filter
 gradient of such a ``Conv2D`` is wrong, and differs from run to run (TensorFlow 2.21 on AVX2, 4 input channels:
 at 14x14 and 28x28 every one of 200 runs off, relative error up to 5.5; at 16x16 one run in 200; 8, 15 and 16
-channels and stride 1 exact; TensorFlow's own kernels exact: ``docs/bench/exactness/onednn_pointwise.py``). A plain Keras loop computes the same
-wrong gradient as the engine: nothing the engine can check against. ``Conv1D``, ``Conv3D``, ``DepthwiseConv2D`` and
-``Conv2DTranspose`` of the same shape gave one answer in 50 runs.
+channels and stride 1 exact; TensorFlow's own kernels exact: ``docs/bench/exactness/onednn_pointwise.py``). A
+plain Keras loop computes the same wrong gradient as the engine: nothing the engine can check against. ``Conv1D``,
+``Conv3D``, ``DepthwiseConv2D`` and ``Conv2DTranspose`` of the same shape gave one answer in 50 runs.
 """
 
 from __future__ import annotations
