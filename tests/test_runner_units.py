@@ -97,7 +97,8 @@ def test_non_finite_gradient_error_is_not_exact(monkeypatch):
 
     report = {"exact": True, "gradient_rel_error": math.nan, "state_max_abs_diff": 0.0, "worst_variable": "w"}
     monkeypatch.setattr(sections, "compare_with_whole", lambda engine, batch, examples: report)
-    engine = SimpleNamespace(replicas=SimpleNamespace(count=1), strategy="sectioned")  # what verify_exact reads
+    engine = SimpleNamespace(replicas=SimpleNamespace(count=1), strategy="sectioned",  # what verify_exact reads
+                             kernel_faults=None)
     result = verify_exact(engine, {}, examples=4)
     assert result["exact"] is False and math.isnan(result["exact_gradient_rel_error"])
 
