@@ -28,7 +28,7 @@ from .calibrate import check_variables_fit
 from .section_functions import Borders, Compiled
 
 log = logging.getLogger("sections")
-_WARNED = weakref.WeakSet()  # networks whose kernel faults were said (a batch=max search builds many engines)
+_FAULTS = weakref.WeakKeyDictionary()  # network -> its kernel-fault line (None: none), found at its first build
 
 
 class Trainer:
@@ -124,16 +124,15 @@ class Trainer:
         self._built = True
 
     def _say_kernel_faults(self) -> None:
-        """One warning per network where a CPU kernel this process runs computes one of its gradients wrongly
-        (``kernel_faults``: that line, else None)."""
+        """``kernel_faults``: the line where a CPU kernel this process runs computes one of the network's gradients
+        wrongly, found once per network and warned once (a ``batch=max`` search builds many engines on one)."""
         if not self.device_memory.device.upper().startswith("CPU"):
             return
-        line = wrong_gradient_warning(self.network.layers)
-        if line:
-            self.kernel_faults = line
-            if self.network not in _WARNED:
-                _WARNED.add(self.network)
-                log.warning(line)
+        if self.network not in _FAULTS:
+            _FAULTS[self.network] = wrong_gradient_warning(self.network.layers)
+            if _FAULTS[self.network]:
+                log.warning(_FAULTS[self.network])
+        self.kernel_faults = _FAULTS[self.network]
 
     @property
     def sections(self) -> list[Section]:
