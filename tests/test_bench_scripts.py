@@ -97,3 +97,13 @@ def test_onednn_pointwise_documented_commands_parse():
     assert "docs/bench/exactness/onednn_pointwise.py" in (ROOT / "BENCHMARKS.md").read_text()
     proc = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--runs" in proc.stdout, proc.stderr
+
+
+def test_least_plan_sections_documented_command_parses():
+    path = ROOT / "docs" / "bench" / "planner" / "least_plan_sections.py"
+    module = _module(path)
+    commands = [line.strip() for line in module.__doc__.splitlines() if "least_plan_sections.py" in line and "python" in line]
+    assert len(commands) == 1, commands
+    args = module.build_parser().parse_args(shlex.split(commands[0])[2:])
+    assert args.model in _module(ZOO).ZOO and args.device == 420
+    assert "docs/bench/planner/least_plan_sections.py --model resnet50 --device 420" in (ROOT / "BENCHMARKS.md").read_text()

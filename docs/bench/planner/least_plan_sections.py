@@ -1,0 +1,77 @@
+"""The least-memory plan ``sections="auto"`` builds for a zoo model, trained on a device large enough for it: each
+section's peak, its counted activation bytes and the base beside them (BENCHMARKS.md, "ResNet50 at 0.6").
+
+    .venv/bin/python docs/bench/planner/least_plan_sections.py --model resnet50 --device 420
+
+Runs one process under ``TF_CPU_BFC_MEM_LIMIT_IN_MB=--device`` (oneDNN off, as the runner sets under a limit):
+plans with no budget, then swaps in the calibrator's least-memory plan and trains ``--steps`` steps. Nothing is
+asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker(model: str, steps: int) -> None:
+    sys.path.insert(0, str(HERE))
+    import zoo
+
+    sys.path.insert(0, str(zoo.ROOT))
+    from sections.allocator import configure
+
+    configure()
+    import keras
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from sections import Engine
+
+    kind, args, batch_size, shape = zoo.ZOO[model]
+    keras.utils.set_random_seed(0)
+    net = zoo._build(kind, args, shape)
+    batch = {"image": tf.random.uniform((batch_size, *shape)), "label": tf.range(batch_size) % 10}
+    engine = Engine(net, keras.optimizers.Adam(1e-3), sections="auto")
+    engine.build(batch)
+    cal = engine.calibrator
+    least = cal._least_plan()
+    engine.plan = least
+    mib = 2**20
+    print(f"least {least.schedule.num_sections} sections, starts {list(least.schedule.starts)}, "
+          f"predicted {least.predicted_peak / mib:.1f} MiB; base {cal.search.base / mib:.1f} MiB")
+    print("counted activation bytes (MiB):", [round(cal.counted[span] / mib, 1) for span in least.leaves
+                                              if span in cal.counted])
+    for step in range(steps):
+        reading = engine.train_step(batch)
+        print(f"step {step + 1}: peak {reading['step_peak_bytes'] / mib:.1f} MiB, per section (MiB):",
+              [round(p / mib, 1) if p else p for p in reading["peak_bytes"]], flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--device", type=int, default=420, help="the emulated device's MiB")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if args.worker:
+        worker(args.model, args.steps)
+        return
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_ALLOCATOR_USE_BFC="true",
+               TF_CPU_BFC_MEM_LIMIT_IN_MB=str(args.device))
+    subprocess.run([sys.executable, __file__, "--worker", "--model", args.model, "--steps", str(args.steps)],
+                   env=env, check=True)
+
+
+if __name__ == "__main__":
+    main()
