@@ -1,8 +1,8 @@
 """A data source written against the contract in docs/DATA.md: images of stripes, the class is their direction.
 
-    python -m runner data=stripes_example model=mlp train=smoke     # conf/data/stripes_example.yaml points here
+    python -m runner 'hydra.searchpath=[file://docs/examples/conf]' data=stripes model=mlp train=smoke
 
-Nothing is stored: example i of an epoch is drawn from (seed, epoch, i) with stateless ops, so the same seed gives
+(docs/examples/conf/data/stripes.yaml points here.) Nothing is stored: example i of an epoch is drawn from (seed, epoch, i) with stateless ops, so the same seed gives
 the same batches and the iterator's checkpoint holds only counters.
 """
 
@@ -39,7 +39,9 @@ class Stripes(BaseSource):
     def train_batches(self, batch_size: int, seed: int = 0, shard=None) -> tf.data.Dataset:
         """Endless batches of exactly batch_size; example i drawn from (seed, i) (every row made: shard ignored)."""
         ds = tf.data.Dataset.counter().map(lambda i: self._example(tf.stack([tf.constant(seed, tf.int64), i])))
-        return ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+        options = tf.data.Options()
+        options.experimental_symbolic_checkpoint = True  # the checkpoint holds the counter, not prefetched batches
+        return ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE).with_options(options)
 
     def eval_batches(self, batch_size: int) -> tf.data.Dataset:
         """The same test_size held-out examples every time (their own seed), in order."""
