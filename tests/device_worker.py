@@ -7,6 +7,8 @@ TensorFlow loads). `python tests/device_worker.py CASE` prints one JSON line.
 - `lean_count`: one lean section's dry step against what its blocks' traces count (``static_blocks``).
 - `apply`: Adam's update of 12 variables of 1 MiB as the engine applies it in the backward (``Executor``): the
   peak beyond what was in use (the gradients included), and the largest variable's bytes.
+- `workspace`: kernels' work buffers as ``Workspaces`` measures them in a traced convolution gradient, against the
+  same kernels run directly (and how many ops it ran to measure them).
 - `fit`: a Keras model under plain `fit` and wrapped in `SectionedModel(model, sections="auto")`, one epoch
   each; prints how each ended and the wrapped run's step peaks.
 """
@@ -204,7 +206,43 @@ def faithful(batch=256, width=1024) -> dict:
             "in_use_after": in_use_after}
 
 
+def workspace() -> dict:
+    """Kernels' work buffers from a traced gradient of two identical 3x3 convolutions (``Workspaces``), and the
+    same gradient kernels run eagerly with the allocator's peak read around each: what they held beyond their
+    inputs and output."""
+    from sections.backend.liveness import graph_memory
+    from sections.backend.memory import MemoryMeter
+    from sections.backend.workspace import Workspaces
+
+    x = tf.random.uniform([32, 16, 16, 64])
+    kernel = tf.random.uniform([3, 3, 64, 64])
+
+    def train(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.nn.conv2d(tf.nn.conv2d(x, kernel, 1, "SAME"), kernel, 1, "SAME")
+        return tape.gradient(y, x)
+
+    graph = tf.function(train).get_concrete_function(tf.TensorSpec(x.shape)).graph
+    work = Workspaces(MemoryMeter("CPU:0"))
+    counted = {op.type: work(op) for op in graph.get_operations() if op.type.startswith("Conv2DBackprop")}
+    dy = tf.random.uniform([32, 16, 16, 64])
+    filter_sizes, input_sizes = tf.constant([3, 3, 64, 64]), tf.constant([32, 16, 16, 64])
+    direct = {}
+    for name, run in (("Conv2DBackpropFilter", lambda: tf.raw_ops.Conv2DBackpropFilter(
+            input=x, filter_sizes=filter_sizes, out_backprop=dy, strides=[1, 1, 1, 1], padding="SAME")),
+                      ("Conv2DBackpropInput", lambda: tf.raw_ops.Conv2DBackpropInput(
+            input_sizes=input_sizes, filter=kernel, out_backprop=dy, strides=[1, 1, 1, 1], padding="SAME"))):
+        run()
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        out = run()
+        direct[name] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before - out.numpy().nbytes
+    return {"counted": counted, "direct": direct, "measured_ops": len(work.cache),
+            "peak": graph_memory(graph).peak, "peak_with_work": graph_memory(graph, work=work).peak}
+
+
 if __name__ == "__main__":
     cases = {"recover": recover, "fit": fit, "restore": restore, "lean_count": lean_count, "apply": apply,
-             "faithful": faithful}
+             "faithful": faithful, "workspace": workspace}
     print(json.dumps(cases[sys.argv[1]]()))

@@ -538,3 +538,16 @@ def test_the_update_holds_a_few_of_its_largest_variable_not_one_per_variable():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["beyond"] <= 2.5 * out["largest"], out
     assert out["iterations"] == 0, out  # partial applies give the step count back
+
+
+def test_kernels_work_buffers_are_measured_per_distinct_op_as_the_kernels_hold_them():
+    """TensorFlow's convolution gradients allocate beside their inputs and outputs (a 3x3 filter gradient at 32x16x16
+    64: 32 MiB, five times its input), which no shape says: ``Workspaces`` runs each distinct op alone and reads
+    what it held; the same kernels run directly hold exactly that, and two identical convolutions are measured
+    once. The count holds the largest at its op."""
+    proc = on_device(1000, "tests/device_worker.py", "workspace")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["counted"] == out["direct"], out
+    assert out["counted"]["Conv2DBackpropFilter"] > 2**20 and out["measured_ops"] == 2, out
+    assert out["peak_with_work"] >= out["peak"] + out["counted"]["Conv2DBackpropFilter"], out

@@ -166,3 +166,19 @@ def test_slots_that_cannot_fit_the_device_are_refused_before_they_are_made():
         check_variables_fit(Net, adam, 10 * MiB, 13 * MiB)
     assert not adam.built  # nothing of the real optimizer was made
     check_variables_fit(Net, adam, 10 * MiB, None)  # no hard limit: nothing to check
+
+
+def test_a_kernels_work_buffer_is_held_at_its_op_beside_what_is_live_there():
+    spec = tf.TensorSpec([256, 1024], tf.float32)  # 1 MiB
+
+    def f(x):
+        a = x * 2.0                                   # 1 MiB, read last by the product
+        b = tf.linalg.matmul(a, a, transpose_b=True)  # 0.25 MiB
+        return tf.reduce_sum(b)
+
+    graph = _graph(f, spec)
+    assert graph_memory(graph).peak == MiB + MiB // 4
+    work = graph_memory(graph, work=lambda op: 10 * MiB if op.type == "MatMul" else 0)
+    assert work.peak == MiB + MiB // 4 + 10 * MiB  # a and b live while the product's buffer is
+    later = graph_memory(graph, work=lambda op: 10 * MiB if op.type == "Sum" else 0)
+    assert later.peak == MiB // 4 + 4 + 10 * MiB  # a freed by then

@@ -1,7 +1,8 @@
 """Memory counted from a traced graph: each tensor's bytes from its shape and dtype, held from the op that makes it
 to the last op that reads it, in the graph's order. Nothing runs, so the figure is the same in every process and
-needs no device memory; what the count cannot see (kernels' work buffers, the allocator's rounding and
-fragmentation) is left to a measured correction (``sections.schedule.search``)."""
+needs no device memory. Kernels' work buffers, which no shape says, are measured per op where a ``work`` function is
+given (``sections.backend.workspace``); the allocator's rounding and fragmentation are left to a measured
+correction (``sections.schedule.search``)."""
 
 from __future__ import annotations
 
@@ -48,11 +49,12 @@ def tensor_bytes(tensor) -> int | None:
     return int(tensor.shape.num_elements()) * tensor.dtype.size
 
 
-def graph_memory(graph, split: int | None = None) -> GraphMemory:
+def graph_memory(graph, split: int | None = None, work=None) -> GraphMemory:
     """Count ``graph`` (a ``FuncGraph``): ops run in creation order (a traced function's ops are created in an order
     that respects their inputs); a buffer lives from its op to its last reader (the function's outputs to the end);
     views share their input's buffer; element-wise kernels reuse a dying input of their output's size. ``split``:
-    the index of the first backward op, for ``kept``."""
+    the index of the first backward op, for ``kept``. ``work``: op -> the bytes its kernel allocates beside its
+    inputs and outputs while it runs (``workspace.Workspaces``), held at that op only."""
     ops = graph.get_operations()
     owner: dict = {}   # tensor name -> the buffer (a tensor name) it lives in
     size: dict = {}    # buffer -> bytes
@@ -101,7 +103,7 @@ def graph_memory(graph, split: int | None = None) -> GraphMemory:
                     live -= size[match]  # its buffer becomes the output's
                     frees[i].remove(match)
         live += sum(size[b] for b in new)
-        peak = max(peak, live)
+        peak = max(peak, live + (work(op) if work is not None else 0))
         live -= sum(size[b] for b in frees.get(i, ()))
     kept = 0
     if split is not None:

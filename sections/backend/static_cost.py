@@ -1,7 +1,8 @@
 """Each block's costs counted from its traced forward and backward at the real batch (``liveness``): the bytes its
 output border holds, what its forward leaves its backward, what its backward needs beside that, and its forward
 work in floating-point operations. Tracing runs nothing: the figures are the same in every process and cost no
-device memory. What they leave out (kernels' work buffers, the allocator) is fitted from measurements by
+device memory; kernels' work buffers, which no shape says, are measured per distinct op where the caller passes a
+``workspace.Workspaces``. What they leave out (the allocator) is fitted from measurements by
 ``sections.schedule.search``."""
 
 from __future__ import annotations
@@ -81,10 +82,11 @@ def batch_specs(small: dict, real: int) -> dict:
     return {k: tf.TensorSpec([real] + list(v.shape[1:]), v.dtype) for k, v in small.items()}
 
 
-def static_blocks(network, borders, lean) -> list[BlockProfile]:
+def static_blocks(network, borders, lean, work=None) -> list[BlockProfile]:
     """Every block's ``BlockProfile`` counted from its trace at the real batch (``borders``: the network's border
     specs at the real batch and a slice of the batch). ``forward_seconds`` holds forward work in ``GFLOP``
-    units (the planner compares re-runs by it; no clock is read)."""
+    units (the planner compares re-runs by it; no clock is read). ``work``: kernels' measured work buffers per op
+    (``workspace.Workspaces``; None: not counted)."""
     real = borders.real_batch
     fields = batch_specs(borders.probe_slice, real)
     profiles = []
@@ -92,7 +94,7 @@ def static_blocks(network, borders, lean) -> list[BlockProfile]:
     for j, block in enumerate(network.blocks):
         h = borders.specs_before(j)
         graph, split, (inputs, outputs) = _trace([block], h, fields, lean)
-        memory = graph_memory(graph, split)
+        memory = graph_memory(graph, split, work)
         out = nbytes(borders.output_specs[j])
         last = j == len(network.blocks) - 1
         # The upstream gradient (``ones_like``) stands for the caller's, which the planner counts as held.
@@ -104,22 +106,23 @@ def static_blocks(network, borders, lean) -> list[BlockProfile]:
         # block starts a section that border is the section's input, held by the caller (``entry_bytes``).
         entry = max(read_after(graph, inputs, split) - output_read, 0) if j else 0
         output_read = read_after(graph, outputs, split)
-        work = forward_flops(graph.get_operations()[:split]) / GFLOP
+        flops = forward_flops(graph.get_operations()[:split]) / GFLOP
         profiles.append(BlockProfile(name=block.name, output_bytes=out, kept_bytes=kept + entry,
-                                     transient_bytes=max(peak - kept, 0), forward_seconds=work,
+                                     transient_bytes=max(peak - kept, 0), forward_seconds=flops,
                                      stored_bytes=kept + entry, entry_bytes=entry))
     return profiles
 
 
-def count_span(network, borders, s: int, t: int, lean) -> int:
+def count_span(network, borders, s: int, t: int, lean, work=None) -> int:
     """The activation bytes of blocks ``s .. t-1`` run as one section, counted from that section's own trace at the
     real batch (what the planner's ``_Chain`` composes from the blocks' figures): the most its forward and backward
-    hold beside its input border and its output's gradient. Lean gradients that reach across blocks (a batch norm
-    re-making its input from the convolution before it) are seen only here."""
+    hold beside its input border and its output's gradient, kernels' work buffers included where ``work`` measures
+    them. Lean gradients that reach across blocks (a batch norm re-making its input from the convolution before it)
+    are seen only here."""
     graph, split, _ = _trace(network.blocks[s:t], borders.specs_before(s),
                              batch_specs(borders.probe_slice, borders.real_batch), lean)
     upstream = 0 if t == len(network.blocks) else nbytes(borders.output_specs[t - 1])
-    return max(graph_memory(graph, split).peak - upstream, 0)
+    return max(graph_memory(graph, split, work).peak - upstream, 0)
 
 
 def input_specs_at(borders, block: int):

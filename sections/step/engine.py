@@ -15,6 +15,7 @@ from .. import rules
 from ..allocator import kernel_crash_warning
 from ..backend.device import OutOfMemory
 from ..backend.static_cost import count_span, static_blocks
+from ..backend.workspace import Workspaces
 from ..network.network import Network
 from ..schedule.policies import Recompute, resolve
 from ..schedule.program import Schedule
@@ -120,6 +121,7 @@ class Engine(Trainer):
             self.request = replace(self.request, policies=policies)
         #: Planning (``sections="auto"``; made at build), else None.
         self.calibrator: Calibrator | None = None
+        self.workspaces: Workspaces | None = None  # kernels' work buffers measured while planning
         #: Running: the compiled program's steps.
         self.executor = Executor(network, optimizer, self.replicas, self.meter, self._scale_loss, check=bool(check),
                                  jit_compile=self.jit_compile, apply_reason=apply_reason,
@@ -206,12 +208,14 @@ class Engine(Trainer):
         log.info(f"planning: counting {len(self.network.blocks)} blocks' memory from their traces at batch "
                  f"{self.borders.real_batch}")
         began = time.perf_counter()
-        profiles = static_blocks(self.network, self.borders, self.lean)
+        work = self.workspaces = Workspaces(self.meter)
+        profiles = static_blocks(self.network, self.borders, self.lean, work)
         measurer = Measurer(self.network, self.executor, self.compile, self.meter, self.lean)
         self.calibrator = Calibrator(profiles, costs, self.memory_budget, self.budget_source, self.lean, measurer,
                                      resident=resident,
                                      device_limit=self.device_memory.total if self.device_memory.hard else None,
-                                     count_span=lambda s, t: count_span(self.network, self.borders, s, t, self.lean))
+                                     count_span=lambda s, t: count_span(self.network, self.borders, s, t, self.lean,
+                                                                        work))
         self.calibrator.seconds["model"] += time.perf_counter() - began
         return self.calibrator.plan.schedule
 

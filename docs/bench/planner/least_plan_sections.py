@@ -47,6 +47,10 @@ def worker(model: str, steps: int) -> None:
           f"predicted {least.predicted_peak / mib:.1f} MiB; base {cal.search.base / mib:.1f} MiB")
     print("counted activation bytes (MiB):", [round(cal.counted[span] / mib, 1) for span in least.leaves
                                               if span in cal.counted])
+    print("predicted per section (MiB):", [round((held + cal.counted.get(span, 0)) / mib, 1)
+                                           for span, held in zip(least.leaves, least.leaf_held)])
+    print(f"kernels' work buffers: {len(engine.workspaces.cache)} ops measured in {engine.workspaces.seconds:.1f} s, "
+          f"largest {max(engine.workspaces.cache.values(), default=0) / mib:.1f} MiB")
     for step in range(steps):
         reading = engine.train_step(batch)
         print(f"step {step + 1}: peak {reading['step_peak_bytes'] / mib:.1f} MiB, per section (MiB):",

@@ -1,0 +1,149 @@
+"""Kernels' work buffers: what a kernel allocates beside its inputs and outputs while it runs, which no shape says
+(TensorFlow's CPU convolution gradients unroll patches: 8-32 MiB each at keras.applications ResNet50's second
+stage, batch 32). Measured once per distinct op (type, attributes, input shapes and constant inputs) by running
+that op alone on the device, and added to the traced count at the op that needs it (``liveness.graph_memory``).
+The same op measures the same in every process on one machine (a kernel sizes its buffers from shapes and the
+machine's caches and threads)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+
+from .liveness import ALIASES, IN_PLACE, NO_BUFFER, SHAPE_ONLY, tensor_bytes
+
+log = logging.getLogger("sections")
+
+#: Ops whose inputs and outputs hold less than this together are not measured: their buffers are as small.
+MIN_BYTES = 2**20
+_SKIP = ALIASES | IN_PLACE | NO_BUFFER | SHAPE_ONLY
+_OPAQUE = (tf.resource, tf.variant, tf.string)
+
+
+class Workspaces:
+    """``workspaces(op)``: the bytes ``op``'s kernel allocates beside its inputs and outputs on ``device``, measured
+    by running the op alone (``meter``: a ``MemoryMeter`` on that device) the first time an op like it is asked
+    for; 0 for ops too small to measure or that cannot run alone (functions, resources, random or stateful ops).
+    ``unmeasured``: ops of at least ``MIN_BYTES`` that could not be measured (named in the log once)."""
+
+    def __init__(self, meter, device: str | None = None):
+        self.meter, self.device = meter, device or meter.device
+        self.cache: dict = {}
+        self.seconds = 0.0
+        self.unmeasured: set = set()
+
+    def __call__(self, op) -> int:
+        key = op_key(op) if self.meter.available else None
+        if key is None:
+            return 0
+        if key not in self.cache:
+            began = time.perf_counter()
+            work = self._measure(op)
+            self.seconds += time.perf_counter() - began
+            if work is None:
+                if op.type not in self.unmeasured:
+                    log.info(f"planning: {op.type}'s work buffers were not measured (it cannot run alone here); "
+                             f"counted as none")
+                self.unmeasured.add(op.type)
+            self.cache[key] = work or 0
+        return self.cache[key]
+
+    def _measure(self, op) -> int | None:
+        run = standalone(op)
+        if run is None:
+            return None
+        fn, args = run
+        try:
+            with tf.device(self.device):
+                values = [tf.identity(a) if isinstance(a, tf.Tensor) else a for a in args]
+                fn(*values)  # the first run: tracing, and a GPU's algorithm search, whose trial buffers are not a
+                # step's
+                self.meter.reset()
+                before = self.meter.current()
+                out = fn(*values)
+                peak = self.meter.peak()
+            made = sum(int(np.prod(o.shape)) * o.dtype.size for o in tf.nest.flatten(out))
+            del out, values
+            return max(0, peak - before - made)
+        except (tf.errors.ResourceExhaustedError, tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
+                ValueError, TypeError):
+            return None
+
+
+def op_key(op):
+    """What an op's work buffers depend on (type, attributes, input dtypes and shapes, constant inputs' values), or
+    None for ops that allocate nothing beyond their outputs, are too small, or cannot run alone."""
+    if op.type in _SKIP or op.op_def.is_stateful or not op.outputs:
+        return None
+    sizes = [tensor_bytes(t) for t in (*op.inputs, *op.outputs)]
+    if any(s is None for s in sizes) or sum(sizes) < MIN_BYTES:
+        return None
+    if any(t.dtype in _OPAQUE for t in op.inputs) or any(a.HasField("func") or a.list.func
+                                                          for a in op.node_def.attr.values()):
+        return None
+    attrs = tuple(sorted((k, v.SerializeToString(deterministic=True)) for k, v in op.node_def.attr.items()
+                         if not k.startswith("_")))
+    inputs = []
+    for t in op.inputs:
+        value = None if t.dtype.is_floating else static_value(t)
+        inputs.append((t.dtype.name, tuple(t.shape.as_list()), None if value is None else np.asarray(value).tobytes()))
+    return op.type, attrs, tuple(inputs)
+
+
+def static_value(tensor):
+    """A graph tensor's value where the graph fixes it (a constant, or the shape of a tensor of known shape)."""
+    value = tf.get_static_value(tensor)
+    op = tensor.op
+    if value is None and op.type in ("Shape", "ShapeN"):
+        source = op.inputs[tensor.value_index if op.type == "ShapeN" else 0]
+        if source.shape.is_fully_defined():
+            value = np.array(source.shape.as_list(), tensor.dtype.as_numpy_dtype)
+    return value
+
+
+def standalone(op):
+    """A ``tf.function`` running a copy of ``op`` alone, and its arguments (zeros of the inputs' shapes; inputs
+    that are not floating point take their value from the graph where it is constant); None where a non-float
+    input's value is not known."""
+    graph = graph_pb2.GraphDef()
+    node = graph.node.add()
+    node.CopyFrom(op.node_def)
+    node.name, node.device = "op", ""
+    del node.input[:]
+    for k in [k for k in node.attr if k.startswith("_")]:
+        del node.attr[k]
+    args, feeds = [], {}
+    for i, t in enumerate(op.inputs):
+        name = f"input_{i}"
+        value = None if t.dtype.is_floating else static_value(t)
+        if not t.dtype.is_floating and value is None:
+            return None
+        source = graph.node.add()
+        source.name = name
+        if value is not None:
+            source.op = "Const"
+            source.attr["dtype"].type = t.dtype.as_datatype_enum
+            source.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=t.dtype))
+        else:
+            source.op = "Placeholder"
+            source.attr["dtype"].type = t.dtype.as_datatype_enum
+            source.attr["shape"].shape.CopyFrom(t.shape.as_proto())
+            feeds[f"{name}:0"] = len(args)
+            args.append(tf.zeros(t.shape, t.dtype))
+        node.input.append(name)
+    outputs = [f"op:{k}" for k in range(len(op.outputs))]
+
+    @tf.function(autograph=False)
+    def run(*values):
+        return tf.graph_util.import_graph_def(graph, input_map={n: values[k] for n, k in feeds.items()},
+                                              return_elements=outputs, name="alone")
+
+    try:
+        run.get_concrete_function(*args)
+    except (ValueError, TypeError, tf.errors.OpError):
+        return None
+    return run, args
