@@ -28,12 +28,15 @@ class Workspaces:
     """``workspaces(op)``: the bytes ``op``'s kernel allocates beside its inputs and outputs on ``device``, measured
     by running the op alone (``meter``: a ``MemoryMeter`` on that device) the first time an op like it is asked
     for; 0 for ops too small to measure or that cannot run alone (functions, resources, random or stateful ops).
-    ``unmeasured``: ops of at least ``MIN_BYTES`` that could not be measured (named in the log once)."""
+    ``unmeasured``: ops of at least ``MIN_BYTES`` that could not be measured (named in the log once). ``limit``: the
+    device's hard limit in bytes, where it has one: an op whose inputs and outputs would not fit beside what is in
+    use is not run (a failed allocation costs TensorFlow's allocator retry, 10 s)."""
 
-    def __init__(self, meter, device: str | None = None):
-        self.meter, self.device = meter, device or meter.device
+    def __init__(self, meter, device: str | None = None, limit: int | None = None):
+        self.meter, self.device, self.limit = meter, device or meter.device, limit
         self.cache: dict = {}
         self.seconds = 0.0
+        self._failed = None  # the inputs and outputs of the smallest op that ran out of memory alone
         self.unmeasured: set = set()
 
     def __call__(self, op) -> int:
@@ -53,24 +56,28 @@ class Workspaces:
         return self.cache[key]
 
     def _measure(self, op) -> int | None:
-        run = standalone(op)
-        if run is None:
-            return None
-        fn, args = run
+        sizes = sum(tensor_bytes(t) for t in (*op.inputs, *op.outputs))
+        if (self.limit is not None and self.meter.current() + sizes > self.limit) or \
+                (self._failed is not None and sizes >= self._failed):
+            return None  # its inputs and outputs alone would not fit beside what is in use
         try:
             with tf.device(self.device):
-                values = [tf.identity(a) if isinstance(a, tf.Tensor) else a for a in args]
-                fn(*values)  # the first run: tracing, and a GPU's algorithm search, whose trial buffers are not a
-                # step's
+                run = standalone(op)
+                if run is None:
+                    return None
+                fn, args = run
+                fn(*args)  # the first run: a GPU's algorithm search, whose trial buffers are not a step's
                 self.meter.reset()
                 before = self.meter.current()
-                out = fn(*values)
+                out = fn(*args)
                 peak = self.meter.peak()
             made = sum(int(np.prod(o.shape)) * o.dtype.size for o in tf.nest.flatten(out))
-            del out, values
+            del out, args
             return max(0, peak - before - made)
-        except (tf.errors.ResourceExhaustedError, tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
-                ValueError, TypeError):
+        except tf.errors.ResourceExhaustedError:
+            self._failed = min(sizes, self._failed or sizes)
+            return None
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, ValueError, TypeError):
             return None
 
 

@@ -121,8 +121,9 @@ class Calibrator:
     the corrections made in training, in words; ``dry_runs`` each dry step's predicted and measured peak."""
 
     def __init__(self, profiles: list, costs: PlanCosts, budget: int, budget_source: str, lean, measurer: Measurer,
-                 resident: int = 0, device_limit: int | None = None, count_span=None):
+                 resident: int = 0, device_limit: int | None = None, count_span=None, workspaces=None):
         self.profiles, self.costs, self.lean, self.measurer = profiles, costs, lean, measurer
+        self.workspaces = workspaces  # kernels' work buffers the counts measured (``backend.workspace``), or None
         self.count_span = count_span  # (s, t) -> blocks s..t-1's activation bytes from their own trace
         self.counted: dict = {}  # (s, t) -> those bytes, for every section a candidate plan ran
         self.budget, self.budget_source = budget, budget_source
@@ -305,8 +306,11 @@ class Calibrator:
         t = rules.human_seconds
         m = self.measurer
         ran_out = f" ({m.ran_out} out of device memory)" if m.ran_out else ""
+        work = self.workspaces
+        measured = (f" (of which {len(work.cache)} kernels' work buffers measured {t(work.seconds)})"
+                    if work is not None and work.cache else "")
         return (f"planned in {t(self.planning_seconds())}: costs counted from traces {t(self.seconds['model'])}, "
-                f"{len(self.counted)} sections traced whole {t(self.seconds['count'])}, {m.dry_steps} dry "
+                f"{len(self.counted)} sections traced whole {t(self.seconds['count'])}{measured}, {m.dry_steps} dry "
                 f"steps{ran_out} {t(m.seconds['dry steps'])}")
 
     # ------------------------------------------------------------------ corrections in training

@@ -215,7 +215,8 @@ class Engine(Trainer):
                                      resident=resident,
                                      device_limit=self.device_memory.total if self.device_memory.hard else None,
                                      count_span=lambda s, t: count_span(self.network, self.borders, s, t, self.lean,
-                                                                        work))
+                                                                        work),
+                                     workspaces=work)
         self.calibrator.seconds["model"] += time.perf_counter() - began
         return self.calibrator.plan.schedule
 

@@ -3,6 +3,7 @@ forward, re-run backward, the fused last section), as one ``Compiled`` record th
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import keras
@@ -12,6 +13,7 @@ from ..backend.lean import lean_scope
 from ..backend.relaxed import RelaxedFunction
 from ..backend.replicas import Replicas, local_size
 from ..backend.structure import float_leaves, nbytes
+from ..backend.tf_internals import run_in_creation_order
 from ..network.network import unique_variables
 from ..schedule.partition import Section
 from ..schedule.program import Schedule
@@ -140,7 +142,8 @@ class SectionFunctions:
             with self._replaying(snapshot):
                 out = self._run(h, batch)
         ys = float_leaves(out)
-        grads = tape.gradient(ys, xs + self.section.variables, output_gradients=_zeros_for_missing(ys, upstream))
+        with self._in_creation_order():
+            grads = tape.gradient(ys, xs + self.section.variables, output_gradients=_zeros_for_missing(ys, upstream))
         diff = max_relative_diff(out, expected) if expected is not None else tf.constant(0.0)
         return grads[: len(xs)], grads[len(xs):], diff
 
@@ -151,8 +154,20 @@ class SectionFunctions:
             out = self._run(h, batch)
             loss = self.network.loss(out, batch)
             scaled = self.scale_loss(loss)
-        grads = tape.gradient(scaled, xs + self.section.variables)
+        with self._in_creation_order():
+            grads = tape.gradient(scaled, xs + self.section.variables)
         return loss, grads[: len(xs)], grads[len(xs):]
+
+    @contextlib.contextmanager
+    def _in_creation_order(self):
+        """The backward traced in this block runs its ops in the order they were made, the order the planner counts
+        (``tf_internals.run_in_creation_order``). Not under a strategy: replicas trace into one graph, and each
+        must stay free of the others."""
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
+        yield
+        if not self.replicas.distributed:
+            run_in_creation_order(graph, first, len(graph.get_operations()))
 
     def trace_counts(self) -> dict[str, int]:
         return {f"{self.section.name}/{k}": f.tracing_count() for k, f in self._compiled.items()}
