@@ -107,3 +107,14 @@ def test_least_plan_sections_documented_command_parses():
     args = module.build_parser().parse_args(shlex.split(commands[0])[2:])
     assert args.model in _module(ZOO).ZOO and args.device == 420
     assert "docs/bench/planner/least_plan_sections.py --model resnet50 --device 420" in (ROOT / "BENCHMARKS.md").read_text()
+
+
+def test_span_count_documented_command_parses():
+    path = ROOT / "docs" / "bench" / "planner" / "span_count.py"
+    module = _module(path)
+    commands = [line.strip() for line in module.__doc__.splitlines() if "span_count.py" in line and "python" in line]
+    assert len(commands) == 1, commands
+    args = module.build_parser().parse_args(shlex.split(commands[0])[2:])
+    assert args.model in _module(ZOO).ZOO and args.spans == ["0:5", "8:12", "16:26", "43:51"]
+    assert "docs/bench/planner/span_count.py --model resnet50 --spans 0:5 8:12 16:26 43:51" in \
+        (ROOT / "BENCHMARKS.md").read_text()

@@ -182,3 +182,51 @@ def test_a_kernels_work_buffer_is_held_at_its_op_beside_what_is_live_there():
     assert work.peak == MiB + MiB // 4 + 10 * MiB  # a and b live while the product's buffer is
     later = graph_memory(graph, work=lambda op: 10 * MiB if op.type == "Sum" else 0)
     assert later.peak == MiB // 4 + 4 + 10 * MiB  # a freed by then
+
+
+def test_a_backward_chained_in_creation_order_gets_an_edge_between_each_pair_of_compute_ops():
+    from sections.backend.liveness import ALIASES, NO_BUFFER, SHAPE_ONLY
+    from sections.backend.tf_internals import run_in_creation_order
+
+    spec = tf.TensorSpec([8, 6, 6, 4], tf.float32)
+    kernel = tf.ones([3, 3, 4, 4])
+    marks = []
+
+    def train(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            a = tf.nn.conv2d(x, kernel, 1, "SAME")
+            y = tf.nn.relu(a) + tf.nn.conv2d(x, kernel, 1, "SAME")  # two branches: either order is valid
+        graph = tf.compat.v1.get_default_graph()
+        marks.append(len(graph.get_operations()))
+        grad = tape.gradient(y, x)
+        marks.append(len(graph.get_operations()))
+        run_in_creation_order(graph, *marks)
+        return grad
+
+    graph = _graph(train, spec)
+    chained = [op for op in graph.get_operations()[marks[0]:marks[1]]
+               if op.type not in ALIASES | NO_BUFFER | SHAPE_ONLY]
+    assert len(chained) >= 4, [op.type for op in chained]  # both convolutions' input gradients, relu's, the sum's
+    for before, op in zip(chained, chained[1:]):
+        assert before in op.control_inputs, (before.name, op.name)
+    assert not any(op.control_inputs for op in graph.get_operations()[:marks[0]])  # the forward is left alone
+
+
+def test_the_engine_chains_each_sections_backward_and_runs_it(monkeypatch):
+    """Every re-run backward and the fused last section trace their backward through ``run_in_creation_order``,
+    and the chained functions run (a control edge through a view had made a cycle under ``fit``)."""
+    import keras
+
+    from engine_nets import conv_stack, make_batch
+    from sections import Engine
+    from sections.step import section_functions
+
+    seen = []
+    real = section_functions.run_in_creation_order
+    monkeypatch.setattr(section_functions, "run_in_creation_order",
+                        lambda graph, first, last: (seen.append(graph.name), real(graph, first, last)))
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections=2)
+    reading = engine.train_step(make_batch(n=8, size=8, classes=10))
+    assert reading["loss"] == reading["loss"]  # ran: a finite loss
+    assert sorted(name.split("_body")[0] for name in seen) == ["fused", "rerun_backward"], seen

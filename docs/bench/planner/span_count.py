@@ -1,0 +1,142 @@
+"""One section's traced count against the same section run on the device: counted without and with kernels' work
+buffers (``sections.backend.workspace``), run in TensorFlow's order and in the order its ops were made
+(``tf_internals.run_in_creation_order``, as the engine runs a backward), each with its median seconds (BENCHMARKS.md,
+"What a section's count missed").
+
+    .venv/bin/python docs/bench/planner/span_count.py --model resnet50 --spans 0:5 8:12 16:26 43:51
+
+One process under ``TF_CPU_BFC_MEM_LIMIT_IN_MB=--device`` (oneDNN off, as the runner sets under a limit). A span
+``s:t`` is blocks ``s .. t-1`` traced as ``static_cost`` traces a section (forward, then the backward with a unit
+gradient at its output); "run" is its peak beyond the bytes in use before the call. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker(model: str, spans: list, repeats: int) -> None:
+    sys.path.insert(0, str(HERE))
+    import zoo
+
+    sys.path.insert(0, str(zoo.ROOT))
+    from sections.allocator import configure
+
+    configure()
+    import statistics
+    import time
+
+    import keras
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from sections import Engine
+    from sections.backend.lean import lean_scope
+    from sections.backend.liveness import graph_memory
+    from sections.backend.memory import MemoryMeter
+    from sections.backend.static_cost import batch_specs
+    from sections.backend.tf_internals import run_in_creation_order
+    from sections.backend.workspace import Workspaces
+
+    kind, args, batch_size, shape = zoo.ZOO[model]
+    keras.utils.set_random_seed(0)
+    net = zoo._build(kind, args, shape)
+    batch = {"image": tf.random.uniform((batch_size, *shape)), "label": tf.range(batch_size) % 10}
+    engine = Engine(net, keras.optimizers.Adam(1e-3), sections=2)
+    engine.build(batch)  # the border specs
+    borders, meter, mib = engine.borders, engine.meter, 2**20
+    work = Workspaces(meter)
+    for s, t in spans:
+        blocks = net.blocks[s:t]
+        state = [v for b in blocks for v in b.layer.non_trainable_variables]
+        variables = [v for b in blocks for v in b.layer.trainable_variables]
+        specs = borders.specs_before(s)
+        fields = batch_specs(borders.probe_slice, borders.real_batch)
+        h = tf.nest.map_structure(lambda spec: tf.random.uniform(spec.shape, dtype=spec.dtype), specs)
+        snapshot = [tf.identity(v.value) for v in state]
+        row = []
+        for ordered in (False, True):
+            split: list = []
+            train = _section_step(blocks, state, variables, ordered, split, run_in_creation_order)
+            with lean_scope(engine.lean):
+                fn = tf.function(train)
+                state_specs = [tf.TensorSpec(v.shape, v.dtype) for v in state]
+                graph = fn.get_concrete_function(specs, fields, state_specs).graph
+                if not ordered:
+                    row.append(f"counted {graph_memory(graph, split[0]).peak / mib:.1f}, with work buffers "
+                               f"{graph_memory(graph, split[0], work).peak / mib:.1f} MiB")
+                fn(h, batch, snapshot)
+                meter.reset()
+                before = meter.current()
+                out = fn(h, batch, snapshot)
+                peak = meter.peak() - before
+                del out
+                seconds = []
+                for _ in range(repeats):
+                    began = time.perf_counter()
+                    out = fn(h, batch, snapshot)
+                    float(tf.reduce_sum(out[0]) if out else 0.0)
+                    seconds.append(time.perf_counter() - began)
+                    del out
+            row.append(f"run in {'creation' if ordered else "TensorFlow's"} order {peak / mib:.1f} MiB, "
+                       f"{statistics.median(seconds):.3f} s")
+        print(f"blocks {s}-{t}: " + "; ".join(row), flush=True)
+
+
+def _section_step(blocks, state, variables, ordered, split, run_in_creation_order):
+    """Blocks' forward from a state snapshot, then the backward with a unit gradient at the output (as
+    ``static_cost`` traces a section); ``ordered``: the backward chained in creation order, as the engine runs it."""
+    import keras
+    import tensorflow as tf
+
+    from sections.backend.structure import float_leaves
+
+    def train(x, fields, snap):
+        with tf.GradientTape() as tape:
+            xs = float_leaves(x)
+            tape.watch(xs)
+            with keras.StatelessScope(state_mapping=list(zip(state, snap))):
+                out = x
+                for block in blocks:
+                    out = block(out, fields, training=True)
+        graph = tf.compat.v1.get_default_graph()
+        split.append(len(graph.get_operations()))
+        ys = float_leaves(out)
+        grads = tape.gradient(ys, xs + variables, output_gradients=[tf.ones_like(y) for y in ys])
+        if ordered:
+            run_in_creation_order(graph, split[0], len(graph.get_operations()))
+        return grads
+
+    return train
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--spans", nargs="+", default=["0:5", "8:12", "16:26", "43:51"], help="s:t block spans")
+    parser.add_argument("--device", type=int, default=2000, help="the emulated device's MiB")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per span and order")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    spans = [tuple(int(x) for x in span.split(":")) for span in args.spans]
+    if args.worker:
+        worker(args.model, spans, args.repeats)
+        return
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_ALLOCATOR_USE_BFC="true",
+               TF_CPU_BFC_MEM_LIMIT_IN_MB=str(args.device))
+    subprocess.run([sys.executable, __file__, "--worker", "--model", args.model, "--repeats", str(args.repeats),
+                    "--spans", *args.spans], env=env, check=True)
+
+
+if __name__ == "__main__":
+    main()
