@@ -84,7 +84,8 @@ def worker(model: str, spans: list, repeats: int) -> None:
                     float(tf.reduce_sum(out[0]) if out else 0.0)
                     seconds.append(time.perf_counter() - began)
                     del out
-            row.append(f"run in {'creation' if ordered else "TensorFlow's"} order {peak / mib:.1f} MiB, "
+            order = "creation" if ordered else "TensorFlow's"
+            row.append(f"run in {order} order {peak / mib:.1f} MiB, "
                        f"{statistics.median(seconds):.3f} s")
         print(f"blocks {s}-{t}: " + "; ".join(row), flush=True)
 
