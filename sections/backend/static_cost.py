@@ -49,12 +49,13 @@ def forward_flops(ops) -> float:
     return total
 
 
-def _trace(blocks, h_specs, batch_specs, lean):
-    """Consecutive blocks' forward and backward traced at the specs' batch, as one section's training run: the
-    graph, the index of its first backward op, and the names of its input and output border tensors."""
+def section_step(blocks, split: list, borders: list):
+    """Consecutive blocks' training run as a section's (``h``, the batch, a snapshot of the blocks' state): the
+    forward from the snapshot, then the backward with a unit gradient at the output. Each trace appends the index
+    of its first backward op to ``split`` and its border tensors' names to ``borders``. Also the state variables,
+    for the snapshot's specs."""
     state = [v for block in blocks for v in block.layer.non_trainable_variables]
     variables = [_first_component(v) for block in blocks for v in block.layer.trainable_variables]
-    split, borders = [], []
 
     def train(h, batch, snapshot):
         with tf.GradientTape() as tape:
@@ -71,6 +72,14 @@ def _trace(blocks, h_specs, batch_specs, lean):
             return tape.gradient(ys, xs + variables, output_gradients=[tf.ones_like(y) for y in ys])
         return []
 
+    return train, state
+
+
+def _trace(blocks, h_specs, batch_specs, lean):
+    """Consecutive blocks' forward and backward traced at the specs' batch, as one section's training run: the
+    graph, the index of its first backward op, and the names of its input and output border tensors."""
+    split, borders = [], []
+    train, state = section_step(blocks, split, borders)
     snapshot = [tf.TensorSpec(v.shape, v.dtype) for v in state]
     with lean_scope(lean):
         graph = tf.function(train).get_concrete_function(h_specs, batch_specs, snapshot).graph

@@ -40,7 +40,7 @@ def worker(model: str, spans: list, repeats: int) -> None:
     from sections.backend.lean import lean_scope
     from sections.backend.liveness import graph_memory
     from sections.backend.memory import MemoryMeter
-    from sections.backend.static_cost import batch_specs
+    from sections.backend.static_cost import batch_specs, section_step
     from sections.backend.tf_internals import run_in_creation_order
     from sections.backend.workspace import Workspaces
 
@@ -55,7 +55,6 @@ def worker(model: str, spans: list, repeats: int) -> None:
     for s, t in spans:
         blocks = net.blocks[s:t]
         state = [v for b in blocks for v in b.layer.non_trainable_variables]
-        variables = [v for b in blocks for v in b.layer.trainable_variables]
         specs = borders.specs_before(s)
         fields = batch_specs(borders.probe_slice, borders.real_batch)
         h = tf.nest.map_structure(lambda spec: tf.random.uniform(spec.shape, dtype=spec.dtype), specs)
@@ -63,7 +62,8 @@ def worker(model: str, spans: list, repeats: int) -> None:
         row = []
         for ordered in (False, True):
             split: list = []
-            train = _section_step(blocks, state, variables, ordered, split, run_in_creation_order)
+            step, _ = section_step(blocks, split, [])
+            train = chained(step, split, run_in_creation_order) if ordered else step
             with lean_scope(engine.lean):
                 fn = tf.function(train)
                 state_specs = [tf.TensorSpec(v.shape, v.dtype) for v in state]
@@ -90,28 +90,14 @@ def worker(model: str, spans: list, repeats: int) -> None:
         print(f"blocks {s}-{t}: " + "; ".join(row), flush=True)
 
 
-def _section_step(blocks, state, variables, ordered, split, run_in_creation_order):
-    """Blocks' forward from a state snapshot, then the backward with a unit gradient at the output (as
-    ``static_cost`` traces a section); ``ordered``: the backward chained in creation order, as the engine runs it."""
-    import keras
+def chained(step, split: list, run_in_creation_order):
+    """``step`` with its backward chained in creation order, as the engine runs a section's backward."""
     import tensorflow as tf
 
-    from sections.backend.structure import float_leaves
-
-    def train(x, fields, snap):
-        with tf.GradientTape() as tape:
-            xs = float_leaves(x)
-            tape.watch(xs)
-            with keras.StatelessScope(state_mapping=list(zip(state, snap))):
-                out = x
-                for block in blocks:
-                    out = block(out, fields, training=True)
+    def train(*args):
         graph = tf.compat.v1.get_default_graph()
-        split.append(len(graph.get_operations()))
-        ys = float_leaves(out)
-        grads = tape.gradient(ys, xs + variables, output_gradients=[tf.ones_like(y) for y in ys])
-        if ordered:
-            run_in_creation_order(graph, split[0], len(graph.get_operations()))
+        grads = step(*args)
+        run_in_creation_order(graph, split[-1], len(graph.get_operations()))
         return grads
 
     return train
