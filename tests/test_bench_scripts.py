@@ -99,22 +99,22 @@ def test_onednn_pointwise_documented_commands_parse():
     assert proc.returncode == 0 and "--runs" in proc.stdout, proc.stderr
 
 
-def test_least_plan_sections_documented_command_parses():
-    path = ROOT / "docs" / "bench" / "planner" / "least_plan_sections.py"
-    module = _module(path)
-    commands = [line.strip() for line in module.__doc__.splitlines() if "least_plan_sections.py" in line and "python" in line]
+def _documented_planner_command(name: str):
+    """The one command a ``docs/bench/planner`` script's docstring shows, parsed by the script's own parser."""
+    module = _module(ROOT / "docs" / "bench" / "planner" / name)
+    commands = [line.strip() for line in module.__doc__.splitlines() if name in line and "python" in line]
     assert len(commands) == 1, commands
-    args = module.build_parser().parse_args(shlex.split(commands[0])[2:])
+    return module.build_parser().parse_args(shlex.split(commands[0])[2:])
+
+
+def test_least_plan_sections_documented_command_parses():
+    args = _documented_planner_command("least_plan_sections.py")
     assert args.model in _module(ZOO).ZOO and args.device == 420
     assert "docs/bench/planner/least_plan_sections.py --model resnet50 --device 420" in (ROOT / "BENCHMARKS.md").read_text()
 
 
 def test_span_count_documented_command_parses():
-    path = ROOT / "docs" / "bench" / "planner" / "span_count.py"
-    module = _module(path)
-    commands = [line.strip() for line in module.__doc__.splitlines() if "span_count.py" in line and "python" in line]
-    assert len(commands) == 1, commands
-    args = module.build_parser().parse_args(shlex.split(commands[0])[2:])
+    args = _documented_planner_command("span_count.py")
     assert args.model in _module(ZOO).ZOO and args.spans == ["0:5", "8:12", "16:26", "43:51"]
     assert "docs/bench/planner/span_count.py --model resnet50 --spans 0:5 8:12 16:26 43:51" in \
         (ROOT / "BENCHMARKS.md").read_text()

@@ -23,20 +23,11 @@ def worker(model: str, steps: int) -> None:
     sys.path.insert(0, str(HERE))
     import zoo
 
-    sys.path.insert(0, str(zoo.ROOT))
-    from sections.allocator import configure
-
-    configure()
+    net, batch = zoo.image_model(model)
     import keras
-    import tensorflow as tf
 
-    tf.config.threading.set_inter_op_parallelism_threads(1)
     from sections import Engine
 
-    kind, args, batch_size, shape = zoo.ZOO[model]
-    keras.utils.set_random_seed(0)
-    net = zoo._build(kind, args, shape)
-    batch = {"image": tf.random.uniform((batch_size, *shape)), "label": tf.range(batch_size) % 10}
     engine = Engine(net, keras.optimizers.Adam(1e-3), sections="auto")
     engine.build(batch)
     cal = engine.calibrator

@@ -25,29 +25,20 @@ def worker(model: str, spans: list, repeats: int) -> None:
     sys.path.insert(0, str(HERE))
     import zoo
 
-    sys.path.insert(0, str(zoo.ROOT))
-    from sections.allocator import configure
-
-    configure()
+    net, batch = zoo.image_model(model)
     import statistics
     import time
 
     import keras
     import tensorflow as tf
 
-    tf.config.threading.set_inter_op_parallelism_threads(1)
     from sections import Engine
     from sections.backend.lean import lean_scope
     from sections.backend.liveness import graph_memory
-    from sections.backend.memory import MemoryMeter
     from sections.backend.static_cost import batch_specs, section_step
     from sections.backend.tf_internals import run_in_creation_order
     from sections.backend.workspace import Workspaces
 
-    kind, args, batch_size, shape = zoo.ZOO[model]
-    keras.utils.set_random_seed(0)
-    net = zoo._build(kind, args, shape)
-    batch = {"image": tf.random.uniform((batch_size, *shape)), "label": tf.range(batch_size) % 10}
     engine = Engine(net, keras.optimizers.Adam(1e-3), sections=2)
     engine.build(batch)  # the border specs
     borders, meter, mib = engine.borders, engine.meter, 2**20

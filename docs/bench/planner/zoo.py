@@ -109,6 +109,23 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
     return out
 
 
+def image_model(model: str):
+    """In a worker process: the project's allocator set-up and one inter-op thread (as the runner), then ``model``'s
+    network (seed 0) and one synthetic batch of its images. Returns (network, batch)."""
+    sys.path.insert(0, str(ROOT))
+    from sections.allocator import configure
+
+    configure()
+    import keras
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    kind, args, batch_size, shape = ZOO[model]
+    keras.utils.set_random_seed(0)
+    net = _build(kind, args, shape)
+    return net, {"image": tf.random.uniform((batch_size, *shape)), "label": tf.range(batch_size) % 10}
+
+
 def _build(kind: str, args: dict, shape: tuple):
     """The zoo entry's network, random weights."""
     if kind == "resnet":
