@@ -209,13 +209,20 @@ def faithful(batch=256, width=1024) -> dict:
 def workspace() -> dict:
     """Kernels' work buffers from a traced gradient of two identical 3x3 convolutions (``Workspaces``), and the
     same gradient kernels run eagerly with the allocator's peak read around each: what they held beyond their
-    inputs and output."""
+    inputs and output. At batch 32 (32x16x16x64) and at a size whose tensors are all under 64 KiB (2x8x8x8)."""
     from sections.backend.liveness import graph_memory
     from sections.backend.memory import MemoryMeter
     from sections.backend.workspace import Workspaces
 
-    x = tf.random.uniform([32, 16, 16, 64])
-    kernel = tf.random.uniform([3, 3, 64, 64])
+    out = {}
+    for name, shape in (("large", [32, 16, 16, 64]), ("small", [2, 8, 8, 8])):
+        out[name] = _conv_gradient_work(shape, graph_memory, MemoryMeter, Workspaces)
+    return out
+
+
+def _conv_gradient_work(shape, graph_memory, MemoryMeter, Workspaces) -> dict:
+    x = tf.random.uniform(shape)
+    kernel = tf.random.uniform([3, 3, shape[-1], shape[-1]])
 
     def train(x):
         with tf.GradientTape() as tape:
@@ -226,8 +233,8 @@ def workspace() -> dict:
     graph = tf.function(train).get_concrete_function(tf.TensorSpec(x.shape)).graph
     work = Workspaces(MemoryMeter("CPU:0"))
     counted = {op.type: work(op) for op in graph.get_operations() if op.type.startswith("Conv2DBackprop")}
-    dy = tf.random.uniform([32, 16, 16, 64])
-    filter_sizes, input_sizes = tf.constant([3, 3, 64, 64]), tf.constant([32, 16, 16, 64])
+    dy = tf.random.uniform(shape)
+    filter_sizes, input_sizes = tf.constant(kernel.shape.as_list()), tf.constant(shape)
     direct = {}
     for name, run in (("Conv2DBackpropFilter", lambda: tf.raw_ops.Conv2DBackpropFilter(
             input=x, filter_sizes=filter_sizes, out_backprop=dy, strides=[1, 1, 1, 1], padding="SAME")),
@@ -236,9 +243,10 @@ def workspace() -> dict:
         run()
         tf.config.experimental.reset_memory_stats("CPU:0")
         before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        out = run()
-        direct[name] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before - out.numpy().nbytes
+        result = run()
+        direct[name] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before - result.numpy().nbytes
     return {"counted": counted, "direct": direct, "measured_ops": len(work.cache),
+            "tensor_bytes": 4 * (int(np.prod(shape)) + int(np.prod(kernel.shape))),
             "peak": graph_memory(graph).peak, "peak_with_work": graph_memory(graph, work=work).peak}
 
 
