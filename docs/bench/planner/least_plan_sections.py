@@ -32,6 +32,7 @@ def worker(model: str, steps: int) -> None:
     engine.build(batch)
     cal = engine.calibrator
     least = cal._least_plan()
+    engine.adopt(least.schedule)  # the plan that runs (the calibrator's choice may be another)
     engine.plan = least
     mib = 2**20
     print(f"least {least.schedule.num_sections} sections, starts {list(least.schedule.starts)}, "
