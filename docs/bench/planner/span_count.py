@@ -7,7 +7,8 @@ buffers (``sections.backend.workspace``), run in TensorFlow's order and in the o
 
 One process under ``TF_CPU_BFC_MEM_LIMIT_IN_MB=--device`` (oneDNN off, as the runner sets under a limit). A span
 ``s:t`` is blocks ``s .. t-1`` traced as ``static_cost`` traces a section (forward, then the backward with a unit
-gradient at its output); "run" is its peak beyond the bytes in use before the call. Nothing is asserted.
+gradient at its output); "run" is its peak beyond the bytes in use before the call (Grappler's constant folding
+off: it would fold the unit gradient into a constant held outside the call). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def worker(model: str, spans: list, repeats: int) -> None:
     from sections.backend.tf_internals import run_in_creation_order
     from sections.backend.workspace import Workspaces
 
+    # The trace's unit gradient (``ones_like``) would be folded into a constant the function holds from its first
+    # call, outside "before" and the run's peak; in the engine the upstream gradient is a tensor like any other.
+    tf.config.optimizer.set_experimental_options({"constant_folding": False})
     engine = Engine(net, keras.optimizers.Adam(1e-3), sections=2)
     engine.build(batch)  # the border specs
     borders, meter, mib = engine.borders, engine.meter, 2**20
