@@ -210,17 +210,14 @@ def workspace() -> dict:
     """Kernels' work buffers from a traced gradient of two identical 3x3 convolutions (``Workspaces``), and the
     same gradient kernels run eagerly with the allocator's peak read around each: what they held beyond their
     inputs and output. At batch 32 (32x16x16x64) and at a size whose tensors are all under 64 KiB (2x8x8x8)."""
+    return {name: _conv_gradient_work(shape) for name, shape in (("large", [32, 16, 16, 64]), ("small", [2, 8, 8, 8]))}
+
+
+def _conv_gradient_work(shape) -> dict:
     from sections.backend.liveness import graph_memory
     from sections.backend.memory import MemoryMeter
     from sections.backend.workspace import Workspaces
 
-    out = {}
-    for name, shape in (("large", [32, 16, 16, 64]), ("small", [2, 8, 8, 8])):
-        out[name] = _conv_gradient_work(shape, graph_memory, MemoryMeter, Workspaces)
-    return out
-
-
-def _conv_gradient_work(shape, graph_memory, MemoryMeter, Workspaces) -> dict:
     x = tf.random.uniform(shape)
     kernel = tf.random.uniform([3, 3, shape[-1], shape[-1]])
 

@@ -86,8 +86,7 @@ def op_key(op):
     None for ops that allocate nothing beyond their outputs or cannot run alone."""
     if op.type in _SKIP or op.op_def.is_stateful or not op.outputs:
         return None
-    sizes = [tensor_bytes(t) for t in (*op.inputs, *op.outputs)]
-    if any(s is None for s in sizes):
+    if any(tensor_bytes(t) is None for t in (*op.inputs, *op.outputs)):
         return None
     if any(t.dtype in _OPAQUE for t in op.inputs) or any(a.HasField("func") or a.list.func
                                                           for a in op.node_def.attr.values()):
