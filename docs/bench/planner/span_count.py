@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def worker(model: str, spans: list, repeats: int) -> None:
+def worker(model: str, spans: list, repeats: int, trace: bool = False) -> None:
     sys.path.insert(0, str(HERE))
     import zoo
 
@@ -79,10 +79,39 @@ def worker(model: str, spans: list, repeats: int) -> None:
                     float(tf.reduce_sum(out[0]) if out else 0.0)
                     seconds.append(time.perf_counter() - began)
                     del out
+                if trace and ordered:
+                    print(f"blocks {s}-{t}, creation order: " + allocations(fn, h, batch, snapshot), flush=True)
             order = "creation" if ordered else "TensorFlow's"
             row.append(f"run in {order} order {peak / mib:.1f} MiB, "
                        f"{statistics.median(seconds):.3f} s")
         print(f"blocks {s}-{t}: " + "; ".join(row), flush=True)
+
+
+def allocations(fn, *args) -> str:
+    """One call of ``fn`` under TensorFlow's profiler: its allocator events of at least 1 MiB, in order, as
+    ``+op chunk MiB (in use MiB)`` and ``-chunk MiB (in use MiB)`` (the chunk: what the allocator gave, at least
+    what was asked)."""
+    import tempfile
+
+    import tensorflow as tf
+
+    from runner.record import peak
+
+    with tempfile.TemporaryDirectory() as folder:
+        tf.profiler.experimental.start(folder)
+        out = fn(*args)
+        del out
+        tf.profiler.experimental.stop()
+        files = sorted(Path(folder).glob("**/*.xplane.pb"))
+        events = peak._events(files[-1]) if files else []
+    shown = []
+    for kind, stats in events:
+        size, in_use = (stats.get("allocation_bytes") or 0) / 2**20, (stats.get("bytes_allocated") or 0) / 2**20
+        if kind == "MemoryAllocation" and size >= 1:
+            shown.append(f"+{stats.get('tf_op')} {size:.1f} ({in_use:.1f})")
+        elif kind != "MemoryAllocation" and size >= 1:
+            shown.append(f"-{size:.1f} ({in_use:.1f})")
+    return ", ".join(shown) or "no allocator events"
 
 
 def chained(step, split: list, run_in_creation_order):
@@ -104,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spans", nargs="+", default=["0:5", "8:12", "16:26", "43:51"], help="s:t block spans")
     parser.add_argument("--device", type=int, default=2000, help="the emulated device's MiB")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per span and order")
+    parser.add_argument("--trace", action="store_true",
+                        help="also print one creation-order call's allocator events of at least 1 MiB")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -112,12 +143,11 @@ def main() -> None:
     args = build_parser().parse_args()
     spans = [tuple(int(x) for x in span.split(":")) for span in args.spans]
     if args.worker:
-        worker(args.model, spans, args.repeats)
+        worker(args.model, spans, args.repeats, args.trace)
         return
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0", TF_CPU_ALLOCATOR_USE_BFC="true",
                TF_CPU_BFC_MEM_LIMIT_IN_MB=str(args.device))
-    subprocess.run([sys.executable, __file__, "--worker", "--model", args.model, "--repeats", str(args.repeats),
-                    "--spans", *args.spans], env=env, check=True)
+    subprocess.run([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env, check=True)
 
 
 if __name__ == "__main__":

@@ -109,9 +109,10 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
     return out
 
 
-def image_model(model: str):
+def image_model(model: str, batch_size: int | None = None, max_blocks: int | None = None):
     """In a worker process: the project's allocator set-up and one inter-op thread (as the runner), then ``model``'s
-    network (seed 0) and one synthetic batch of its images. Returns (network, batch)."""
+    network (seed 0; a keras.applications model cut into at most ``max_blocks`` blocks where given) and one
+    synthetic batch of its images (the zoo's batch, or ``batch_size``). Returns (network, batch)."""
     sys.path.insert(0, str(ROOT))
     from sections.allocator import configure
 
@@ -120,13 +121,14 @@ def image_model(model: str):
     import tensorflow as tf
 
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    kind, args, batch_size, shape = ZOO[model]
+    kind, args, zoo_batch, shape = ZOO[model]
+    batch_size = batch_size or zoo_batch
     keras.utils.set_random_seed(0)
-    net = _build(kind, args, shape)
+    net = _build(kind, args, shape, max_blocks)
     return net, {"image": tf.random.uniform((batch_size, *shape)), "label": tf.range(batch_size) % 10}
 
 
-def _build(kind: str, args: dict, shape: tuple):
+def _build(kind: str, args: dict, shape: tuple, max_blocks: int | None = None):
     """The zoo entry's network, random weights."""
     if kind == "resnet":
         from models.resnet import build_resnet
@@ -135,7 +137,8 @@ def _build(kind: str, args: dict, shape: tuple):
     if kind == "keras_app":
         from models.keras_app import build_keras_app
 
-        return build_keras_app(args["name"], num_classes=10, input_shape=list(shape))
+        blocks = {"max_blocks": max_blocks} if max_blocks else {}
+        return build_keras_app(args["name"], num_classes=10, input_shape=list(shape), **blocks)
     from models.keras_hub import build_keras_hub
 
     if args.get("task") == "token_classification":
