@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -82,6 +83,9 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
         engine = Engine(net, opt, sections="auto" if engine_kind == "auto" else int(engine_kind))
     began = time.perf_counter()
     out = {"model": model, "batch": batch_size, "engine": engine_kind}
+    said = _Said()  # the planning's own summary: where its seconds went
+    logging.getLogger("sections").addHandler(said)
+    logging.getLogger("sections").setLevel(logging.INFO)
     try:
         engine.build(batch)
     except Exception as err:  # a refusal: its one line, and the dry steps it rests on
@@ -94,7 +98,8 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
         out.update(sections=plan.schedule.num_sections, starts=list(plan.schedule.starts),
                    policies=plan.policies, forward_runs=list(plan.forward_runs),
                    predicted=plan.predicted_peak, dry_runs=engine.dry_runs,
-                   planning_seconds=engine.planning_seconds)
+                   planning_seconds=engine.planning_seconds,
+                   planning_summary=next((m for m in said.messages if m.startswith("planned in")), ""))
     peaks, seconds = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -107,6 +112,15 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
         peaks.append(stats["step_peak_bytes"])
     out.update(step_peaks=peaks, step_seconds=seconds)
     return out
+
+
+class _Said(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 def image_model(model: str, batch_size: int | None = None, max_blocks: int | None = None):
@@ -261,7 +275,8 @@ def main() -> None:
                       f"planning {r['planning_seconds']:.1f} s, {len(dry)} dry steps "
                       f"({sum(d['ran_out'] for d in dry)} out of memory) predicted->measured MiB [{pairs}], "
                       f"steps {[round(p / mib, 1) for p in r['step_peaks']]} MiB, step {t:.2f} s "
-                      f"({t / step:.2f}x whole's, {t / step_off:.2f}x on the same kernels)")
+                      f"({t / step:.2f}x whole's, {t / step_off:.2f}x on the same kernels); "
+                      f"{r.get('planning_summary', '')}")
             fixed = {n: run(model, str(n), args.steps, limit) for n in args.fixed}
             if fixed:
                 fits = {n: step_seconds(r) for n, r in fixed.items()
