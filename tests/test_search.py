@@ -150,7 +150,8 @@ def test_an_empty_fit_is_the_model_itself():
 
 def test_the_least_memory_plan_is_measured_first_and_the_next_plan_follows_its_correction():
     """What the count cannot see is measured where running out is least likely; the next plan is the fastest the
-    corrected count puts within the budget's line (its room on the ladder), and none is tried after one that fits is the fastest left."""
+    corrected count puts within the budget's line (its room on the ladder), and none is tried after one that fits
+    is the fastest left."""
     cands = ladder()  # modelled 400, 370, ... 70 MiB
     least = min(cands, key=lambda c: c.modelled)
     within, _ = planner(cands)
