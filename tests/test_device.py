@@ -436,9 +436,6 @@ def test_a_whole_step_out_of_memory_is_one_line_with_what_would_fit_and_what_hel
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "step 1: out of memory on CPU:0: 350.0 MiB (TF_CPU_BFC_MEM_LIMIT_IN_MB=350)" in errors[0]
-    region = re.search(r"350.0 MiB \(TF_CPU_BFC_MEM_LIMIT_IN_MB=350\), ([\d.]+) MiB of it held as one region \(as a "
-                     r"GPU's\)", proc.stderr + proc.stdout)  # the runner's header: before the model was built
-    assert region and 300 < float(region.group(1)) < 350, proc.stderr[-3000:]
     assert "the failing allocation asked for" in errors[0] and "would fit: sections=auto" in errors[0]
     assert errors[0].endswith(f"nothing of step 1 was saved; what held memory: {run / 'peak_breakdown.md'}")
     assert not list(run.glob("checkpoints/ckpt-*")) and not list(run.glob("model*.keras")), "a failed step is " \
