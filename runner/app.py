@@ -50,9 +50,6 @@ def _run(cfg: DictConfig, out: Path, changes: dict, continuing: bool = False) ->
 
     set_inter_op_threads(cfg.train.inter_op_threads, cfg.engine._target_)  # before the runtime starts (the strategy starts it)
     strategy = distribute.make_strategy(cfg)  # before anything else runs TensorFlow
-    from sections import hold_one_region
-
-    hold_one_region()  # an emulated device (a CPU memory limit) as one region, before the model takes any
     from runner.platform.precision import keeping_dtype_policy
     from runner.run.build import build
     from runner.run.train import fit

@@ -395,37 +395,6 @@ def test_variables_or_slots_that_cannot_fit_stop_in_one_line_naming_the_model_or
     assert errors[0].endswith("is needed."), errors[0]
 
 
-HOLD = """
-import sys
-from sections.allocator import configure
-configure()  # the BFC allocator reads the limit, oneDNN off
-import tensorflow as tf
-from sections import hold_one_region
-held = hold_one_region() if sys.argv[1] == "hold" else 0
-MiB = 2**20
-for k in (1, 2, 4, 8, 16, 32):  # requests of doubling size, freed: the allocator's regions unless one was held
-    x = tf.raw_ops.Empty(shape=[k * MiB], dtype=tf.uint8, init=False)
-    del x
-try:
-    y = tf.raw_ops.Empty(shape=[80 * MiB], dtype=tf.uint8, init=False)
-    print("fits", held // MiB, hold_one_region() // MiB)
-except tf.errors.ResourceExhaustedError:
-    print("ran out", held // MiB)
-"""
-
-
-@pytest.mark.parametrize("mode, says", [
-    ("hold", "fits 120 120"),  # one region: 80 MiB of a free 128 MiB device
-    pytest.param("none", "ran out 0", marks=pytest.mark.slow),  # the control: 10 s of the allocator's retries
-])
-def test_a_cpu_of_fixed_memory_is_held_as_one_region_as_a_gpus_is(mode, says):
-    """TensorFlow's CPU BFC allocator grows by regions of doubling size and no tensor spans two: with all of a
-    128 MiB device free, 80 MiB did not fit after requests of 1-32 MiB. Held as one region first, it does."""
-    proc = on_device(128, "-c", HOLD, mode)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == says, proc.stdout
-
-
 def test_a_whole_step_out_of_memory_is_one_line_with_what_would_fit_and_what_held_memory(tmp_path):
     """The step's batch runs once more under the profiler (about 10 s more: TensorFlow's BFC allocator waits 10 s
     for memory to come free before it fails an allocation, each time)."""

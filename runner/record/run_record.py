@@ -214,8 +214,6 @@ def _memory_line(engine: TrainerProtocol) -> str:
         device = engine.device_memory
         if device is not None:
             where += f"; device memory {device.describe()}"
-            if getattr(engine, "one_region", 0):
-                where += f", {human_bytes(engine.one_region)} of it held as one region (as a GPU's)"
         if engine.budget_source:
             where += f"; budget {human_bytes(engine.memory_budget)} ({engine.budget_source})"
     else:

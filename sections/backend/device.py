@@ -57,41 +57,6 @@ def device_memory(device: str) -> DeviceMemory:
     return DeviceMemory(device, total, source, hard=False)
 
 
-_HELD: dict = {}  # device -> the bytes held as one region (0: none)
-
-
-def hold_one_region(device: str = "CPU:0") -> int:
-    """On a CPU of fixed memory (``TF_CPU_BFC_MEM_LIMIT_IN_MB``), once per process: the memory the allocator has
-    not taken yet, asked for as one block and freed, so that the allocator holds it as one region, as a GPU's does
-    (TensorFlow takes a card's memory as one region at start unless told to grow). The CPU's BFC allocator grows by
-    regions of doubling size (2, 4, 8 ... MiB) and no tensor spans two, so near its limit a request fails with
-    much of the device free in other regions: MobileNetV2's least-memory plan at batch 76 ran out of a 458 MiB
-    device, and measured 300.8 MiB with one region. The block is never written (no memory touched) and the region
-    stays with the allocator (on the CPU it frees none). Returns the bytes held, now or by an earlier call: 0 on
-    other devices, or where what was already in use left too little to be worth it (an engine made after a large
-    model: the runner holds it before building one)."""
-    limit = cpu_limit()
-    if limit is None or not device.upper().startswith("CPU"):
-        return 0
-    if device in _HELD:
-        return _HELD[device]
-    _HELD[device] = 0
-    info = tf.config.experimental.get_memory_info(device)
-    # The regions made so far: each doubles the last, so at most about four times the most ever in use.
-    size = limit - 4 * max(info["current"], info["peak"]) - 8 * 2**20
-    if size < limit // 4:
-        return 0
-    try:
-        with tf.device(device):
-            block = tf.raw_ops.Empty(shape=[size], dtype=tf.uint8, init=False)
-        del block
-    except tf.errors.ResourceExhaustedError:  # the regions were larger than reckoned: leave them
-        return 0
-    tf.config.experimental.reset_memory_stats(device)
-    _HELD[device] = size
-    return size
-
-
 def _gpu_memory(device: str) -> DeviceMemory:
     index = int(device.split(":")[-1] or 0)
     gpus = tf.config.list_physical_devices("GPU")

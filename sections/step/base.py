@@ -12,8 +12,7 @@ from typing import Mapping, Sequence
 import tensorflow as tf
 
 from .. import rules
-from ..backend.device import (Budget, OutOfMemory, device_memory, held_outside, hold_one_region,
-                              resolve_budget)
+from ..backend.device import Budget, OutOfMemory, device_memory, held_outside, resolve_budget
 from ..backend.kernel_faults import wrong_gradient_warning
 from ..backend.lean import lean_scope
 from ..backend.memory import MemoryMeter, below_resolution
@@ -72,8 +71,6 @@ class Trainer:
         self.meter = MemoryMeter(device or self.replicas.devices() or None)
         #: The device's memory: what a budget of None or a fraction reads, and what an out-of-memory stop names.
         self.device_memory = device_memory(self.meter.device)
-        #: Bytes a CPU of fixed memory holds as one region, as a GPU does (``hold_one_region``; 0: none).
-        self.one_region = hold_one_region(self.meter.device)
         #: The budget (``sections="auto"``): bytes, and how they were reached; else None.
         self.budget: Budget | None = None
         if self.request.sections == "auto":
