@@ -9,7 +9,8 @@ Per model: whole-graph training's peak at the batch with no limit (one process),
 under ``TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=<fraction x whole's peak>`` (oneDNN off, as the
 runner sets under a limit) running ``sections="auto"`` with no budget: planning seconds, dry steps (and how many
 ran out of memory), each dry step's predicted against measured peak, the plan, its training steps' peaks and
-median step time against whole's unlimited step. ``--processes 3`` runs the sectioned process three times and
+median step time against whole's unlimited step, and the planning's own summary of where its seconds went.
+``--processes 3`` runs the sectioned process three times and
 says whether the partitions agree. ``--fixed N ...`` also runs ``sections=N`` on the same device and compares
 auto's step with the fastest of them that fits (issue 50, item 8). ``--batch-max`` also runs the runner's
 ``batch=max`` on the same device, ``engine=whole`` and ``sections=auto`` (synthetic images of the model's shape,
