@@ -51,6 +51,9 @@ def test_one_point_gives_its_excess_in_bytes_either_way():
     assert under.predict(300 * MiB) == 380 * MiB  # added, not scaled: 540 MiB at its ratio
     over = fit([Point(100 * MiB, 80 * MiB)])  # too much
     assert over.predict(300 * MiB) == 280 * MiB
+    # as the planning's log says it
+    assert under.describe() == "one measurement: measured = counted + 80.0 MiB at 100.0 MiB"
+    assert over.describe() == "one measurement: measured = counted - 20.0 MiB at 100.0 MiB"
 
 
 def test_each_plan_is_read_at_the_excess_of_the_points_nearest_its_count_never_a_line_through_two():
