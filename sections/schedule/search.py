@@ -79,11 +79,8 @@ class Fit:
 
         if not self.knots:
             return f"{self.kind}: measured = counted"
-
-        def signed(e):
-            return f"+ {human_bytes(e)}" if e >= 0 else f"- {human_bytes(-e)}"
-        return f"{self.kind}: measured = " + ", ".join(f"counted {signed(e)} at {human_bytes(m)}"
-                                                      for m, e in self.knots)
+        return f"{self.kind}: measured = " + ", ".join(
+            f"counted {'+' if e >= 0 else '-'} {human_bytes(abs(e))} at {human_bytes(m)}" for m, e in self.knots)
 
 
 def fit(points: Sequence[Point]) -> Fit:
@@ -93,7 +90,8 @@ def fit(points: Sequence[Point]) -> Fit:
     mostly fixed by the model, not by the plan (the allocator's chunks around the largest tensors, what the process
     holds beside the step, work buffers of the largest kernels), and a ratio taken on the least-memory plan
     scaled it with the plan: chosen plans came 15-20% over their dry steps on ResNet and EfficientNetB0 (3 of 7
-    zoo plannings over 10%); in bytes, 7 of 7 within 10% (conv nets and transformers). The excess is not one
+    zoo plannings over 10%); in bytes, 7 of 7 within 10% in one run each (conv nets and transformers), 14 of 16
+    over repeated processes (the same plan reads up to 20% apart by process). The excess is not one
     number either: the least-memory plan (many small sections) read 1.48x its count on GPT-2 and a 2-section plan
     0.81x, so past the largest point its own excess holds. A line through two points was tried and failed (two
     points 5% apart in count drew ``2.73 x counted - 344 MiB`` on MobileNetV2, which put the next plan 17% off)."""

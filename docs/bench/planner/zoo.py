@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import logging.handlers
 import os
 import statistics
 import subprocess
@@ -84,7 +85,7 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
         engine = Engine(net, opt, sections="auto" if engine_kind == "auto" else int(engine_kind))
     began = time.perf_counter()
     out = {"model": model, "batch": batch_size, "engine": engine_kind}
-    said = _Said()  # the planning's own summary: where its seconds went
+    said = logging.handlers.BufferingHandler(capacity=10**6)  # the planning's own summary: where its seconds went
     logging.getLogger("sections").addHandler(said)
     logging.getLogger("sections").setLevel(logging.INFO)
     try:
@@ -100,7 +101,8 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
                    policies=plan.policies, forward_runs=list(plan.forward_runs),
                    predicted=plan.predicted_peak, dry_runs=engine.dry_runs,
                    planning_seconds=engine.planning_seconds,
-                   planning_summary=next((m for m in said.messages if m.startswith("planned in")), ""))
+                   planning_summary=next((m for m in map(logging.LogRecord.getMessage, said.buffer)
+                                          if m.startswith("planned in")), ""))
     peaks, seconds = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -113,15 +115,6 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
         peaks.append(stats["step_peak_bytes"])
     out.update(step_peaks=peaks, step_seconds=seconds)
     return out
-
-
-class _Said(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def image_model(model: str, batch_size: int | None = None, max_blocks: int | None = None):
