@@ -197,7 +197,7 @@ def test_batch_max_checks_its_best_trial_again_after_the_later_ones_and_searches
     assert len(search.trials) <= 10
 
 
-def test_batch_max_trials_share_one_optimizer(monkeypatch):
+def test_batch_max_trials_share_one_optimizer(monkeypatch, no_gc):
     """An optimizer whose slots a compiled step updated stays in memory after it is dropped (TensorFlow 2.21 with
     Keras 3.15), so a new optimizer per trial left each trial's slots behind (about 100 MiB a trial on ResNet50):
     every trial, and the engine that trains, steps the same optimizer."""
