@@ -118,3 +118,21 @@ def test_span_count_documented_command_parses():
     assert args.model in _module(ZOO).ZOO and args.spans == ["0:5", "8:12", "16:26", "43:51"]
     assert "docs/bench/planner/span_count.py --model resnet50 --spans 0:5 8:12 16:26 43:51" in \
         (ROOT / "BENCHMARKS.md").read_text()
+
+
+def test_slack_documented_commands_parse_and_help_runs_without_tensorflow():
+    path = ROOT / "docs" / "bench" / "planner" / "slack.py"
+    module = _module(path)
+    commands = [line.strip() for line in module.__doc__.splitlines() if "slack.py" in line and "python" in line]
+    assert len(commands) == 2, commands
+    parsed = [module.build_parser().parse_args(shlex.split(c)[2:]) for c in commands]
+    assert [(a.model, a.device, a.processes, a.steps) for a in parsed] == [("resnet", 341, 3, 1),
+                                                                          ("mobilenetv2", 461, 2, 2)]
+    assert all(a.model in _module(ZOO).ZOO for a in parsed)
+    assert "docs/bench/planner/slack.py --model resnet --device 341 --processes 3" in (ROOT / "BENCHMARKS.md").read_text()
+    proc = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--processes" in proc.stdout, proc.stderr
+    child = subprocess.run([sys.executable, "-c", f"import runpy, sys; sys.argv = ['slack.py', '--help']\n"
+                            f"try:\n    runpy.run_path({str(path)!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+                            f"print('tensorflow' in sys.modules)"], capture_output=True, text=True, timeout=60)
+    assert child.stdout.strip().endswith("False"), child.stdout + child.stderr
