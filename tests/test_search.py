@@ -217,3 +217,19 @@ def test_the_same_plan_where_processes_read_the_least_plan_a_few_percent_apart()
     ratios = [1.0 + k / 100 for k in range(101)]
     split = [r for r in ratios if len({_chosen(r * d, cands, budget) for d in (0.98, 1.0, 1.02)}) > 1]
     assert len(split) <= 0.2 * len(ratios), split
+
+
+def test_the_least_memory_plan_measured_within_the_budget_runs_though_its_spread_would_put_it_over():
+    """A refusal rests on the least-memory plan not fitting; the spread only keeps chosen plans from the budget's
+    edge (a MobileNetV2 process read its least plan at 334.0 MiB against a 362.9 MiB budget, and was refused)."""
+    budget = BASE + 100 * MiB
+    least = Candidate("least", 80 * MiB, 9.0)
+    within, _ = planner([least])
+    search = Search(budget, BASE)
+    search.steps.append(DryStep(least, budget - 2 * MiB, 30 * MiB, False, 0))
+    move = decide(search, within, lambda: least)
+    assert isinstance(move, Run) and move.step.candidate == least and not search.fits(move.step)
+    over = Search(budget, BASE, steps=[DryStep(least, budget + MiB, 0, False, 0)])  # measured over: refused
+    assert isinstance(decide(over, within, lambda: least), Refuse)
+    ran_out = Search(budget, BASE, steps=[DryStep(least, budget, 0, True, 0)])
+    assert isinstance(decide(ran_out, within, lambda: least), Refuse)

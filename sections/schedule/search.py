@@ -164,6 +164,10 @@ class Search:
         fitting = [s for s in self.steps if self.fits(s)]
         return min(fitting, key=lambda s: (s.candidate.work, s.peak)) if fitting else None
 
+    def within_budget(self, step: DryStep) -> bool:
+        """Measured within the budget, its spread aside: what ``fits`` asks of a plan the search chose."""
+        return not step.ran_out and step.peak <= self.budget
+
 
 @dataclass(frozen=True)
 class Try:
@@ -202,13 +206,20 @@ def decide(search: Search, plan_within: Callable[[int], Candidate | None], least
     out is least likely. Where it does not fit, nothing does. Where it fits, the fastest plan the corrected count
     puts within the budget's line is tried next, the room snapped down to the ladder (``rung``): the correction
     differs by process, the ladder does not; after a plan runs out, one at most halfway from the least-memory plan
-    to it. Of the plans that fit, the fastest runs."""
+    to it. Of the plans that fit, the fastest runs; the least-memory plan runs where it measured within the budget
+    even if its spread would put it over (``Run`` of its step: the caller can tell by ``search.fits``)."""
     floor = least()
     if not search.tried(floor):
         return Try(floor, "the least-memory plan first: measured where it is most likely to fit")
     best = search.best()
     if best is None:
-        return Refuse(_least_step(search, least))
+        # A refusal rests on the least-memory plan not fitting: measured within the budget, it runs though what
+        # its runs varied by would put it over (the spread keeps the search from choosing plans near the budget;
+        # it is no reason to refuse the only plan left). Whole-graph `batch=max` trials ask the same of a step.
+        last = _least_step(search, least)
+        if last is not None and last.candidate.key == floor.key and search.within_budget(last):
+            return Run(last)
+        return Refuse(last)
     if len(search.steps) >= search.max_steps:
         return Run(best)
     room = search.fit().room(search.line(spread) - search.base)

@@ -241,6 +241,11 @@ class Calibrator:
                 self._dry_run(move.candidate, batch, move.why)
                 continue
             if isinstance(move, Run):
+                if not self.search.fits(move.step):
+                    hb = rules.human_bytes
+                    log.warning(f"planning: the least-memory plan measured {hb(move.step.peak)}, within the budget "
+                                f"{hb(self.budget)}, but its runs varied by {hb(move.step.spread)}: it runs, and a "
+                                f"step of it may run out of memory (no smaller plan exists)")
                 self._adopt(move.step)
                 return
             self._refuse(move)
@@ -294,7 +299,7 @@ class Calibrator:
         self.refusal = NoPlanFits(
             f"memory_budget={hb(self.budget)} ({self.budget} bytes{source}): no partition fits; the least-memory "
             f"plan ({_sections(plan)}, every section re-run) was dry-run at build (its state restored) and "
-            f"{said}; a plan runs when its dry step plus what its runs varied by is within the budget: the smallest "
+            f"{said}{', over the budget' if step is not None and not step.ran_out else ''}: the smallest "
             f"budget that fits is about {hb(advised)}.", figure, plan, advised,
             lower_bound=step is not None and step.ran_out)
 
