@@ -269,9 +269,11 @@ class Calibrator:
         hb = rules.human_bytes
         result = (f"ran out of device memory (at least {hb(peak)})" if dry.ran_out else
                   f"measured {hb(peak)}" + (f" (spread {hb(spread)})" if spread else ""))
+        verdict = ("fits" if fits else "is within, but not with its spread," if self.search.within_budget(step)
+                   else "does not fit")
         log.info(f"planning: dry step {len(self.search.steps)} of {_sections(plan)} ({why}; "
                  f"{line}): predicted "
-                 f"{hb(predicted)}, {result}; {'fits' if fits else 'does not fit'} the budget {hb(self.budget)}")
+                 f"{hb(predicted)}, {result}; {verdict} the budget {hb(self.budget)}")
 
     def _adopt(self, step: DryStep) -> None:
         plan = self._plan_of(step.candidate)
