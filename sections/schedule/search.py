@@ -153,8 +153,9 @@ class Search:
     def predict(self, candidate: Candidate) -> int:
         return self.base + self.fit().predict(candidate.modelled)
 
-    def fits(self, step: DryStep) -> bool:
-        return not step.ran_out and step.peak + step.spread <= self.budget
+    def fits(self, step: DryStep, spread: bool = True) -> bool:
+        """Measured within the budget with what its runs varied by (``spread=False``: without it)."""
+        return not step.ran_out and step.peak + (step.spread if spread else 0) <= self.budget
 
     def tried(self, candidate: Candidate | None) -> bool:
         return candidate is not None and any(s.candidate.key == candidate.key for s in self.steps)
@@ -163,10 +164,6 @@ class Search:
         """Of the dry steps that fit, the least work (then the smaller peak): the plan that runs."""
         fitting = [s for s in self.steps if self.fits(s)]
         return min(fitting, key=lambda s: (s.candidate.work, s.peak)) if fitting else None
-
-    def within_budget(self, step: DryStep) -> bool:
-        """Measured within the budget, its spread aside: what ``fits`` asks of a plan the search chose."""
-        return not step.ran_out and step.peak <= self.budget
 
 
 @dataclass(frozen=True)
@@ -217,7 +214,7 @@ def decide(search: Search, plan_within: Callable[[int], Candidate | None], least
         # its runs varied by would put it over (the spread keeps the search from choosing plans near the budget;
         # it is no reason to refuse the only plan left). Whole-graph `batch=max` trials ask the same of a step.
         last = _least_step(search, least)
-        if last is not None and last.candidate.key == floor.key and search.within_budget(last):
+        if last is not None and search.fits(last, spread=False):
             return Run(last)
         return Refuse(last)
     if len(search.steps) >= search.max_steps:

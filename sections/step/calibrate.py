@@ -269,7 +269,7 @@ class Calibrator:
         hb = rules.human_bytes
         result = (f"ran out of device memory (at least {hb(peak)})" if dry.ran_out else
                   f"measured {hb(peak)}" + (f" (spread {hb(spread)})" if spread else ""))
-        verdict = ("fits" if fits else "is within, but not with its spread," if self.search.within_budget(step)
+        verdict = ("fits" if fits else "is within, but not with its spread," if self.search.fits(step, spread=False)
                    else "does not fit")
         log.info(f"planning: dry step {len(self.search.steps)} of {_sections(plan)} ({why}; "
                  f"{line}): predicted "
