@@ -248,3 +248,12 @@ def _op_determinism_restored():
         from runner.run.build import set_determinism
 
         set_determinism(before)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """A full garbage collection after each test file: collected late, a worker's garbage took 37-84 s to free
+    in one collection (TensorFlow's graph operations, freed one by one: BENCHMARKS.md, "Suite time")."""
+    if nextitem is None or nextitem.module is not item.module:
+        import gc
+
+        gc.collect()
