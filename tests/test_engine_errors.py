@@ -114,6 +114,58 @@ def test_a_step_asked_not_to_re_plan_raises_out_of_memory_where_auto_would_re_pl
     assert len(replanned) == 3  # MAX_REPLANS attempts, then it stops
 
 
+def test_a_step_out_of_memory_with_the_bytes_free_runs_once_more_on_its_plan_before_re_planning(monkeypatch,
+                                                                                                  caplog):
+    """Where the failing request and the step's peak fit the device together, the allocator lacked a free chunk,
+    not bytes: the step runs again on the same plan (once) before the budget comes down. Where they do not fit, it
+    re-plans at once."""
+    import dataclasses
+
+    import tensorflow as tf
+
+    from sections import Engine, OutOfMemory
+    from sections.backend import device
+    from engine_nets import conv_stack, make_batch
+
+    batch = make_batch(n=8, size=8, classes=10)
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="1GiB")
+    engine.build(batch)
+    engine.device_memory = dataclasses.replace(engine.device_memory, hard=True, total=2**30)
+    monkeypatch.setattr(device.gc, "collect", lambda *args: 0)  # as above: nothing this test reads
+    replanned, calls = [], []
+    step = engine.executor.step
+    failure = tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[1024,1024] and "
+                                                           "type float on /job:localhost/replica:0/task:0/device:CPU:0")
+
+    def fails_first(b):
+        calls.append(b)
+        if len(calls) == 1:
+            raise failure
+        return step(b)
+
+    monkeypatch.setattr(engine.executor, "step", fails_first)
+    monkeypatch.setattr(engine.calibrator, "replan_below", lambda err, b: replanned.append(err))
+    with caplog.at_level("WARNING", logger="sections"):
+        stats = engine.train_step(batch)
+    assert len(calls) == 2 and replanned == [] and stats["loss"] > 0
+    assert "though that much was free in pieces; running the step again from the state before it" in caplog.text
+
+    def always(b):
+        calls.append(b)
+        raise failure
+
+    monkeypatch.setattr(engine.executor, "step", always)
+    calls.clear()
+    with pytest.raises(OutOfMemory):
+        engine.train_step(batch)
+    assert len(calls) == 5 and len(replanned) == 3  # once more on the plan, then MAX_REPLANS re-plans
+    engine.device_memory = dataclasses.replace(engine.device_memory, total=2 * 2**20)  # under the 4 MiB request
+    calls.clear(), replanned.clear()
+    with pytest.raises(OutOfMemory):
+        engine.train_step(batch)
+    assert len(calls) == 4 and len(replanned) == 3  # no bytes to spare: re-planned at once
+
+
 @pytest.mark.parametrize("shape, dtype", [((), "int64"), ((7,), "float32"), ((3, 3, 512, 160), "float32"),
                                           ((0, 4), "float32"), ((5,), "bool"), ((600, 700), "float16")])
 def test_a_dry_steps_write_back_restores_every_value_and_keeps_no_view_of_the_copy(shape, dtype):
