@@ -149,6 +149,7 @@ def test_a_step_out_of_memory_with_the_bytes_free_runs_once_more_on_its_plan_bef
         stats = engine.train_step(batch)
     assert len(calls) == 2 and replanned == [] and stats["loss"] > 0
     assert "though that much was free in pieces; running the step again from the state before it" in caplog.text
+    assert engine.calibrator.runs_again == 1
 
     def always(b):
         calls.append(b)

@@ -130,6 +130,7 @@ class Calibrator:
         self.device_limit = device_limit
         self.search = Search(budget, costs.base_bytes + resident)
         self.replans: list[str] = []
+        self.runs_again = 0  # steps that ran out with the bytes free and ran again on their plan (``replanning``)
         self.dry_runs: list[dict] = []  # {"sections", "predicted", "measured", "ran_out", "fits"} per dry step
         self.measured_nothing = False
         self.refusal: NoPlanFits | None = None
@@ -404,8 +405,12 @@ def replanning(trainer, run, plan_batch, adopted=lambda: None):
                 # moves from step to step (slack over the same requests 56.7, 26.4 and 4.3 MiB in three steps of
                 # one process), so the step runs once more as it is before anything is re-planned.
                 again = False
-                log.warning(f"a step ran out of device memory ({err}), though that much was free in pieces; "
-                            f"running the step again from the state before it, on the same plan")
+                calibrator = trainer.calibrator
+                calibrator.runs_again += 1
+                if calibrator.runs_again == 1 or calibrator.runs_again % 100 == 0:  # a run may meet it every step
+                    log.warning(f"a step ran out of device memory ({err}), though that much was free in pieces; "
+                                f"running the step again from the state before it, on the same plan "
+                                f"({calibrator.runs_again} step(s) so far; said again every 100th)")
                 continue
             if attempt == MAX_REPLANS:
                 raise err from None
