@@ -251,8 +251,9 @@ def _op_determinism_restored():
 
 
 def pytest_runtest_teardown(item, nextitem):
-    """A full garbage collection after each test file: collected late, a worker's garbage took 37-84 s to free
-    in one collection (TensorFlow's graph operations, freed one by one: BENCHMARKS.md, "Suite time")."""
+    """A full garbage collection after each test file: collected late in a worker, the same garbage took 37-84 s in
+    one collection, inside TensorFlow's deallocation of graph operations (BENCHMARKS.md, "Tried and not kept: one
+    update per block, one region for the device; the suite's late collections")."""
     if nextitem is None or nextitem.module is not item.module:
         import gc
 
