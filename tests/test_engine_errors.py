@@ -151,12 +151,23 @@ def test_a_step_out_of_memory_with_the_bytes_free_runs_once_more_on_its_plan_bef
     assert "though that much was free in pieces; running the step again from the state before it" in caplog.text
     assert engine.calibrator.runs_again == 1
 
+    assert engine.calibrator.ran_again_last
+
     def always(b):
         calls.append(b)
         raise failure
 
     monkeypatch.setattr(engine.executor, "step", always)
+    # The step before ran again too: a plan at the allocator's edge is re-planned at once where a smaller one exists
+    monkeypatch.setattr(engine.calibrator, "running_least", lambda: False)
     calls.clear()
+    with pytest.raises(OutOfMemory):
+        engine.train_step(batch)
+    assert len(calls) == 4 and len(replanned) == 3 and not engine.calibrator.ran_again_last
+    # the least-memory plan has nothing below it: it runs again as the first time
+    monkeypatch.setattr(engine.calibrator, "running_least", lambda: True)
+    engine.calibrator.ran_again_last = True
+    calls.clear(), replanned.clear()
     with pytest.raises(OutOfMemory):
         engine.train_step(batch)
     assert len(calls) == 5 and len(replanned) == 3  # once more on the plan, then MAX_REPLANS re-plans
@@ -165,6 +176,32 @@ def test_a_step_out_of_memory_with_the_bytes_free_runs_once_more_on_its_plan_bef
     with pytest.raises(OutOfMemory):
         engine.train_step(batch)
     assert len(calls) == 4 and len(replanned) == 3  # no bytes to spare: re-planned at once
+
+
+@pytest.mark.parametrize("in_use, requested, total, budget_from", [
+    (2**20, 4 * 2**20, 2**30, "plan"),  # the bytes were free in pieces: below the running plan's measured peak
+    (2**30 - 2**20, 4 * 2**20, 2**30, "in use"),  # they were not: below what was in use
+])
+def test_a_step_out_of_memory_re_plans_below_the_plan_where_the_bytes_were_free_else_below_what_was_in_use(
+        monkeypatch, in_use, requested, total, budget_from):
+    """What the budget comes down to after a step ran out (the search itself stubbed: its dry steps are the
+    calibration tests')."""
+    import dataclasses
+
+    from sections import OutOfMemory
+    from sections.step.executor import DRY_NOISE
+    from engine_nets import conv_stack, make_batch
+
+    batch = make_batch(n=8, size=8, classes=10)
+    engine = Engine(conv_stack(depth=4), keras.optimizers.SGD(0.1), sections="auto", memory_budget="1GiB")
+    engine.build(batch)
+    calibrator = engine.calibrator
+    calibrator.plan = dataclasses.replace(calibrator.plan, predicted_peak=300 * 2**20)
+    monkeypatch.setattr(calibrator, "calibrate", lambda b: None)
+    device = dataclasses.replace(engine.device_memory, hard=True, total=total)
+    calibrator.replan_below(OutOfMemory("out of memory", device, requested, "[1024,1024] float", in_use), batch)
+    expected = 300 * 2**20 if budget_from == "plan" else in_use
+    assert calibrator.budget == int(expected * (1 - DRY_NOISE)), calibrator.budget
 
 
 @pytest.mark.parametrize("shape, dtype", [((), "int64"), ((7,), "float32"), ((3, 3, 512, 160), "float32"),
