@@ -4,6 +4,21 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+
+def _own_cache_folder() -> None:
+    """`train.plan_cache=auto` keeps plans under $XDG_CACHE_HOME: each test process (and the runs it starts) gets
+    a folder of its own, removed at its end, so no test reads or leaves plans in the user's cache."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="sectionflow-tests-cache-")
+    os.environ["XDG_CACHE_HOME"] = folder
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+_own_cache_folder()
+
 from sections.allocator import configure  # noqa: E402
 
 configure()  # the project's own CPU allocator setting (memory statistics on every CPU), as the runner's

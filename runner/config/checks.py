@@ -136,6 +136,9 @@ def _check_train(train: DictConfig) -> None:
     if train.progress not in PROGRESS:
         raise ConfigError("train.progress", train.progress, f"allowed: {', '.join(PROGRESS)}")
     check_gpu_memory(train.get("gpu_memory"))
+    from runner.run.plan_cache import check as check_plan_cache
+
+    check_plan_cache(train.get("plan_cache"))
     if train.inter_op_threads not in (None, "auto"):
         value = train.inter_op_threads
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -76,6 +76,7 @@ class TrainConfig:
     seed: int
     deterministic: bool
     gpu_memory: Any  # a size or null (runner.platform.gpu_memory)
+    plan_cache: Any  # auto, null/false or a folder (runner.run.plan_cache)
     inter_op_threads: Any  # auto, a positive int or null (checks.py)
     verify_exact: bool
     profile_steps: Optional[List[int]]

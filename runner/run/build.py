@@ -84,7 +84,7 @@ def build(cfg: DictConfig, strategy=None, folder=None, continuing: bool = False)
         setup = Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batches=batches)
         setup.data_changes = data_changes
         return setup
-    engine, probe, batches = make_engine(cfg, data, network, sections, strategy, cfg.batch)
+    engine, probe, batches = make_engine(cfg, data, network, sections, strategy, cfg.batch, remember=True)
     return Setup(data=data, engine=engine, sections=sections, probe=probe, strategy=strategy, batches=batches,
                  data_changes=data_changes)
 
@@ -124,11 +124,13 @@ def _scope(strategy):
 
 
 def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, raw: bool = False,
-                optimizer=None, micro_batch: int | None = None):
+                optimizer=None, micro_batch: int | None = None, remember: bool = False):
     """The engine of `cfg.engine` with a fresh optimizer (or `optimizer`), built on the first training batch of
     `batch` examples; returns it, that batch and the training iterator it came from (None under a multi-worker
     shard), so the input pipeline's buffers are in memory while `sections=auto` measures. `raw`: the engine's own
-    errors as raised (else one ConfigError naming sections)."""
+    errors as raised (else one ConfigError naming sections). `remember`: `sections=auto` reads and keeps its plan
+    in `train.plan_cache` (`runner/run/plan_cache.py`; not for `batch=max`'s trials, whose floors need the
+    least-memory plan measured)."""
     from runner.run.datafeed import next_batch, train_iterator, worker_shard
 
     if optimizer is None:
@@ -137,10 +139,17 @@ def make_engine(cfg: DictConfig, data, network, sections, strategy, batch: int, 
     batches = train_iterator(data, batch, cfg.train.seed, strategy) if worker_shard(strategy) is None else None
     probe = next_batch(batches if batches is not None else iter(data.train_batches(batch, cfg.train.seed)),
                        data)
+    extra = {"distribute": strategy} if strategy is not None else {}
+    if remember and sections == "auto" and str(cfg.engine._target_) == "sections.Engine":
+        from runner.run.plan_cache import plan_cache
+
+        store = plan_cache(cfg.train.get("plan_cache"))
+        if store is not None:
+            extra["plan_store"] = store
     try:
         engine = instantiate(cfg.engine, "engine", network=network, optimizer=optimizer, sections=sections,
                              _convert_="all",  # a plain list of boundary names, not a ListConfig
-                             **({"distribute": strategy} if strategy is not None else {}))
+                             **extra)
     except ValueError as err:
         raise sections_answer(err, sections, network) or ConfigError(
             "sections", sections, f"{err} (engine: {_brief(engine_args)})") from err

@@ -121,8 +121,11 @@ class Calibrator:
     the corrections made in training, in words; ``dry_runs`` each dry step's predicted and measured peak."""
 
     def __init__(self, profiles: list, costs: PlanCosts, budget: int, budget_source: str, lean, measurer: Measurer,
-                 resident: int = 0, device_limit: int | None = None, count_span=None, workspaces=None):
+                 resident: int = 0, device_limit: int | None = None, count_span=None, workspaces=None,
+                 hint: dict | None = None):
         self.profiles, self.costs, self.lean, self.measurer = profiles, costs, lean, measurer
+        self.hint = hint  # a plan remembered for this set-up (``record``), tried first by ``calibrate``
+        self.from_record: bool | None = None  # whether the plan in force came from ``hint`` (None: no hint given)
         self.workspaces = workspaces  # kernels' work buffers the counts measured (``backend.workspace``), or None
         self.count_span = count_span  # (s, t) -> blocks s..t-1's activation bytes from their own trace
         self.counted: dict = {}  # (s, t) -> those bytes, for every section a candidate plan ran
@@ -240,7 +243,13 @@ class Calibrator:
         traces came within 10% of their dry steps."""
         hb = rules.human_bytes
         log.info(f"planning: {len(self.profiles)} blocks, budget {hb(self.budget)} ({self.budget_source}); the "
-                 f"model's line: {self.search.fit().describe()}; at most {self.search.max_steps} dry steps")
+                 f"model's line: {self.search.fit().describe()}; at most {self.search.max_steps} dry steps"
+                 + ("; a plan remembered for this set-up first" if self.hint is not None else ""))
+        if self.hint is not None:
+            hint, self.hint = self.hint, None
+            self.from_record = self._try_record(hint, batch)
+            if self.from_record:
+                return
         while True:
             move = decide(self.search, self._within, self._least, self.spread())
             if isinstance(move, Try):
@@ -256,6 +265,55 @@ class Calibrator:
                 return
             self._refuse(move)
             return
+
+    def _try_record(self, hint: dict, batch) -> bool:
+        """Dry-run the plan ``hint`` records (``record``) where the planner makes it again here, and adopt it where
+        it fits; False (said in one line) where it is not made again or does not fit: the search goes on, its dry
+        step counted among the search's."""
+        plan = self._remade(hint)
+        if plan is None:
+            log.info("planning: the remembered plan is not what the planner makes here (its counts differ); "
+                     "searching")
+            return False
+        self._dry_run(self._candidate(plan), batch, "the plan remembered for this set-up")
+        step = self.search.steps[-1]
+        if self.search.fits(step):
+            self._adopt(step)
+            return True
+        log.info("planning: the remembered plan does not fit in this process; searching")
+        return False
+
+    def _remade(self, hint: dict) -> Plan | None:
+        """The planner's plan at the record's room, its sections counted first as the record lists them; None where
+        that is not the recorded schedule."""
+        from .remembered import schedule_record
+
+        try:
+            room, leaves, wanted = hint["room"], [tuple(span) for span in hint["leaves"]], hint["schedule"]
+            if self.count_span is not None:
+                for s, t in leaves:
+                    if (s, t) not in self.counted and 0 <= s < t <= len(self.profiles):
+                        self.counted[(s, t)] = self.count_span(s, t)
+            plan = self._least_plan() if room == "least" else self._raw(int(room))
+        except (KeyError, TypeError, ValueError):  # not a record this version wrote
+            return None
+        return plan if plan is not None and schedule_record(plan.schedule) == wanted else None
+
+    def record(self) -> dict | None:
+        """The plan in force as plain data another process's ``Calibrator(hint=...)`` makes again: the room it
+        was solved for, the sections it counted, its schedule; None where no plan runs (a refusal)."""
+        from .remembered import schedule_record
+
+        if self.refusal is not None:
+            return None
+        schedule = self.plan.schedule
+        rooms = [k for k, p in self._plans.items() if p is not None and p.schedule == schedule]
+        if not rooms:
+            return None
+        room = "least" if "least" in rooms else min(rooms)
+        return {"room": room, "leaves": [list(span) for span in self.plan.leaves],
+                "schedule": schedule_record(schedule), "sections": schedule.num_sections,
+                "dry_step": max((s.peak for s in self.search.steps if s.candidate.key == schedule), default=None)}
 
     def _dry_run(self, candidate: Candidate, batch, why: str) -> None:
         plan = self._plan_of(candidate)

@@ -15,6 +15,7 @@ from .. import rules
 from ..allocator import kernel_crash_warning
 from ..backend.device import OutOfMemory
 from ..backend.static_cost import count_span, static_blocks
+from .remembered import plan_key
 from ..backend.workspace import Workspaces
 from ..network.network import Network
 from ..schedule.policies import Recompute, resolve
@@ -78,6 +79,10 @@ class Engine(Trainer):
             gradient the engine adds for the variables outside the last section (``SectionedModel`` passes Keras's).
         extra_state: a function returning variables the loss updates beside the network's state (Keras metrics
             under ``fit``); dry steps and a step run again after running out of memory restore them too.
+        plan_store: ``sections="auto"``: a mapping (``get`` and item assignment) where chosen plans are kept under a
+            key of what they depend on (``sections.step.remembered``): a plan found there for this set-up is
+            dry-run first and runs where it is the planner's own and fits, so processes of one set-up run one
+            plan; the plan chosen (and each re-plan) is written back. ``None``: every build searches afresh.
 
     Example:
         >>> engine = Engine(net, keras.optimizers.Adam(1e-3), sections=4)
@@ -91,7 +96,8 @@ class Engine(Trainer):
                  policy="recompute", jit_compile: bool = False, check: bool = False,
                  memory_budget: int | str | None = None, probe_batch: int | None = None, device: str | None = None,
                  distribute=None, one_graph: bool = False, lean: bool | str = True, apply: str = "auto",
-                 penalty: WeightPenalty | None = None, extra_state: Callable[[], Sequence] = tuple):
+                 penalty: WeightPenalty | None = None, extra_state: Callable[[], Sequence] = tuple,
+                 plan_store=None):
         fixed = sections if isinstance(sections, Schedule) else None
         if fixed is not None:  # a schedule made earlier (plan_schedule, or by hand)
             sections, policy = fixed.num_sections, list(fixed.policies)
@@ -121,6 +127,8 @@ class Engine(Trainer):
             self.request = replace(self.request, policies=policies)
         #: Planning (``sections="auto"``; made at build), else None.
         self.calibrator: Calibrator | None = None
+        self.plan_store, self.plan_key = plan_store, None  # remembered plans (``sections.step.remembered``)
+        self._budget_given = memory_budget
         self.workspaces: Workspaces | None = None  # kernels' work buffers measured while planning
         #: Running: the compiled program's steps.
         self.executor = Executor(network, optimizer, self.replicas, self.meter, self._scale_loss, check=bool(check),
@@ -211,12 +219,19 @@ class Engine(Trainer):
         work = self.workspaces = Workspaces(self.meter)
         profiles = static_blocks(self.network, self.borders, self.lean, work)
         measurer = Measurer(self.network, self.executor, self.compile, self.meter, self.lean)
+        hint = None
+        if self.plan_store is not None:
+            hard = self.device_memory.hard or self.budget.source == "given"
+            self.plan_key = plan_key(self.network, self.borders, self.optimizer,
+                                     self.memory_budget if hard else repr(self._budget_given),
+                                     self.device_memory.describe(), self.lean, self.jit_compile, self.apply_reason)
+            hint = self.plan_store.get(self.plan_key)
         self.calibrator = Calibrator(profiles, costs, self.memory_budget, self.budget_source, self.lean, measurer,
                                      resident=resident,
                                      device_limit=self.device_memory.total if self.device_memory.hard else None,
                                      count_span=lambda s, t: count_span(self.network, self.borders, s, t, self.lean,
                                                                         work),
-                                     workspaces=work)
+                                     workspaces=work, hint=hint)
         self.calibrator.seconds["model"] += time.perf_counter() - began
         return self.calibrator.plan.schedule
 
@@ -237,6 +252,13 @@ class Engine(Trainer):
         if calibrator.refusal is not None:
             self._built = False
             raise calibrator.refusal
+        self._remember()
+
+    def _remember(self) -> None:
+        """Write the plan in force to ``plan_store`` (where one was given and a plan runs)."""
+        record = self.calibrator.record() if self.plan_store is not None and self.plan_key else None
+        if record is not None:
+            self.plan_store[self.plan_key] = record
 
     # ------------------------------------------------------------------ compiling, and what calibration runs
     def compile(self, schedule: Schedule) -> Compiled:
@@ -275,6 +297,7 @@ class Engine(Trainer):
 
     def _take_up_replan(self) -> None:
         self.compiled = self.calibrator.measurer.current
+        self._remember()
 
     def _step_as_compiled(self, batch):
         return self._run_step(batch)
@@ -288,6 +311,7 @@ class Engine(Trainer):
             schedule = self.calibrator.replan_if_over(stats["step_peak_bytes"] // sharing)
             if schedule is not None and schedule != self.schedule:
                 self.adopt(schedule)
+                self._remember()
         return stats
 
     def _gradients(self, batch):
