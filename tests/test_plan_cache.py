@@ -44,6 +44,8 @@ def test_a_remembered_plan_runs_with_one_dry_step_and_a_record_of_another_plan_i
     again = built(dict(store), batch)
     assert again.plan_key == key and again.calibrator.from_record is True
     assert again.schedule == first.schedule and len(again.dry_runs) == 1
+    # its prediction: what its dry step measured where it was chosen
+    assert again.dry_runs[0]["predicted"] == record["dry_step"] == first.dry_runs[-1]["measured"]
     # a record whose schedule is not what the planner makes at its room, or no record at all: searched past
     calibrator = again.calibrator
     with caplog.at_level(logging.INFO, logger="sections"):
@@ -59,8 +61,8 @@ def test_a_remembered_plan_whose_dry_step_does_not_fit_is_searched_past(first, m
     first, store, batch = first
     real = Calibrator._dry_run
 
-    def over_the_budget(self, candidate, batch, why):
-        real(self, candidate, batch, why)
+    def over_the_budget(self, candidate, batch, why, predicted=None):
+        real(self, candidate, batch, why, predicted)
         if why == "the plan remembered for this set-up":  # as if this process's heap held it over the budget
             step = self.search.steps[-1]
             self.search.steps[-1] = type(step)(step.candidate, self.budget + 1, 0, False, step.predicted)

@@ -275,7 +275,11 @@ class Calibrator:
             log.info("planning: the remembered plan is not what the planner makes here (its counts differ); "
                      "searching")
             return False
-        self._dry_run(self._candidate(plan), batch, "the plan remembered for this set-up")
+        # Its prediction: what its dry step measured in the run that chose it (the count alone leaves out the
+        # allocator's share, which no dry step of this process has measured yet).
+        measured = hint.get("dry_step")
+        self._dry_run(self._candidate(plan), batch, "the plan remembered for this set-up",
+                      predicted=measured if isinstance(measured, int) and measured > 0 else None)
         step = self.search.steps[-1]
         if self.search.fits(step):
             self._adopt(step)
@@ -315,9 +319,10 @@ class Calibrator:
                 "schedule": schedule_record(schedule), "sections": schedule.num_sections,
                 "dry_step": max((s.peak for s in self.search.steps if s.candidate.key == schedule), default=None)}
 
-    def _dry_run(self, candidate: Candidate, batch, why: str) -> None:
+    def _dry_run(self, candidate: Candidate, batch, why: str, predicted: int | None = None) -> None:
         plan = self._plan_of(candidate)
-        predicted, line = self.search.predict(candidate), self.search.fit().describe()
+        line = self.search.fit().describe() if predicted is None else "as measured where it was chosen"
+        predicted = self.search.predict(candidate) if predicted is None else predicted
         dry = self.measurer.dry_step(plan.schedule, batch)
         peak = dry.peak
         if dry.ran_out:  # at least the device's limit (a fragmented heap fails below it)
