@@ -91,6 +91,25 @@ def test_the_key_names_what_the_plan_depends_on(first):
     assert len(keys) == len(changed) and engine.plan_key not in keys
 
 
+def test_a_keras_models_cut_blocks_have_a_key():
+    """``Network.from_keras`` blocks are cuts of the model's graph, not Keras layers (the runner's keras_app)."""
+    from sections import Engine, Network
+    from sections.step.remembered import plan_key
+
+    inputs = keras.Input((8, 8, 2))
+    h = keras.layers.Conv2D(4, 3, padding="same", name="conv")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    outputs = keras.layers.Dense(10, name="head")(keras.layers.GlobalAveragePooling2D(name="pool")(h))
+    def xent(outputs, batch):
+        return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(batch["label"], outputs, from_logits=True))
+
+    net = Network.from_keras(keras.Model(inputs, outputs), xent)
+    engine = Engine(net, keras.optimizers.SGD(0.1), sections=2)
+    engine.build(make_batch(n=4, size=8, classes=10))
+    key = plan_key(net, engine.borders, engine.optimizer, 2**30, "CPU:0", True, False, None)
+    assert len(key) == 40 and key == plan_key(net, engine.borders, engine.optimizer, 2**30, "CPU:0", True, False, None)
+
+
 def test_the_runners_cache_keeps_a_record_per_file_and_says_what_it_cannot_read_or_write(tmp_path, caplog):
     from runner.run.plan_cache import PlanCache, check, default_folder, plan_cache
     from runner.errors import ConfigError

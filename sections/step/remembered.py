@@ -26,8 +26,7 @@ def plan_key(network, borders, optimizer, budget, device: str, lean, jit_compile
     batch, the optimizer's kind, the budget (as given where it moves by process: on a CPU without a limit it is the
     machine's memory less what the process holds), the device, the engine's options, and TensorFlow's and Keras's
     versions."""
-    blocks = [[b.name, type(b.layer).__name__, b.fields,
-               [[list(v.shape), str(v.dtype)] for v in b.layer.variables]] for b in network.blocks]
+    blocks = [[b.name, _kinds(b.layer), b.fields, _shapes(b.layer)] for b in network.blocks]
     specs = [str(borders.specs_before(j)) for j in range(len(network.blocks))]
     batch = {k: [borders.real_batch, *v.shape[1:], v.dtype.name] for k, v in sorted(borders.probe_slice.items())}
     described = {"format": FORMAT, "tensorflow": tf.__version__, "keras": keras.__version__, "blocks": blocks,
@@ -42,3 +41,13 @@ def schedule_record(schedule) -> dict:
     return {"starts": list(schedule.starts), "policies": [p.name for p in schedule.policies],
             "actions": sorted([p, t, mode, q] for (p, t), (mode, q) in schedule.actions.items()),
             "plain": sorted(schedule.plain)}
+
+
+def _kinds(layer) -> list[str]:
+    """The block's kind and its parts' kinds (a Keras model's layers, a cut Keras graph's operations)."""
+    return [type(layer).__name__, *(type(part).__name__ for part in getattr(layer, "layers", ()))]
+
+
+def _shapes(layer) -> list:
+    """Its variables' shapes and dtypes (not their names: Keras numbers them by what the process made before)."""
+    return [[list(v.shape), str(v.dtype)] for v in [*layer.trainable_variables, *layer.non_trainable_variables]]
