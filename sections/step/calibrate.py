@@ -267,13 +267,12 @@ class Calibrator:
             return
 
     def _try_record(self, hint: dict, batch) -> bool:
-        """Dry-run the plan ``hint`` records (``record``) where the planner makes it again here, and adopt it where
-        it fits; False (said in one line) where it is not made again or does not fit: the search goes on, its dry
-        step counted among the search's."""
+        """Dry-run the plan ``hint`` records (``record``) and adopt it where it fits; False (said in one line) where
+        the record describes no plan of these blocks or its dry step does not fit: the search goes on, that dry step
+        counted among the search's."""
         plan = self._remade(hint)
         if plan is None:
-            log.info("planning: the remembered plan is not what the planner makes here (its counts differ); "
-                     "searching")
+            log.info("planning: the remembered record does not describe a plan of these blocks; searching")
             return False
         # Its prediction: what its dry step measured in the run that chose it (the count alone leaves out the
         # allocator's share, which no dry step of this process has measured yet).
@@ -288,36 +287,26 @@ class Calibrator:
         return False
 
     def _remade(self, hint: dict) -> Plan | None:
-        """The planner's plan at the record's room, its sections counted first as the record lists them; None where
-        that is not the recorded schedule."""
-        from .remembered import schedule_record
+        """The recorded plan (``remembered.plan_of``), or None where the record does not describe a plan of these
+        blocks. Not solved again: a plan's counts include kernels' work buffers measured in the process, which
+        moved the least-memory plan's count by 4% between two processes of MobileNetV2, and another count can
+        make another plan at the same room."""
+        from .remembered import plan_of
 
-        try:
-            room, leaves, wanted = hint["room"], [tuple(span) for span in hint["leaves"]], hint["schedule"]
-            if self.count_span is not None:
-                for s, t in leaves:
-                    if (s, t) not in self.counted and 0 <= s < t <= len(self.profiles):
-                        self.counted[(s, t)] = self.count_span(s, t)
-            plan = self._least_plan() if room == "least" else self._raw(int(room))
-        except (KeyError, TypeError, ValueError):  # not a record this version wrote
-            return None
-        return plan if plan is not None and schedule_record(plan.schedule) == wanted else None
+        plan = plan_of(hint, len(self.profiles), self.budget, self.costs.base_bytes)
+        if plan is not None:
+            self._plans["remembered"] = plan
+        return plan
 
     def record(self) -> dict | None:
-        """The plan in force as plain data another process's ``Calibrator(hint=...)`` makes again: the room it
-        was solved for, the sections it counted, its schedule; None where no plan runs (a refusal)."""
-        from .remembered import schedule_record
+        """The plan in force as plain data (``remembered.record_of``); None where no plan runs (a refusal)."""
+        from .remembered import record_of
 
         if self.refusal is not None:
             return None
         schedule = self.plan.schedule
-        rooms = [k for k, p in self._plans.items() if p is not None and p.schedule == schedule]
-        if not rooms:
-            return None
-        room = "least" if "least" in rooms else min(rooms)
-        return {"room": room, "leaves": [list(span) for span in self.plan.leaves],
-                "schedule": schedule_record(schedule), "sections": schedule.num_sections,
-                "dry_step": max((s.peak for s in self.search.steps if s.candidate.key == schedule), default=None)}
+        dry = max((s.peak for s in self.search.steps if s.candidate.key == schedule), default=None)
+        return record_of(self.plan, dry)
 
     def _dry_run(self, candidate: Candidate, batch, why: str, predicted: int | None = None) -> None:
         plan = self._plan_of(candidate)
