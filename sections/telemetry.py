@@ -127,7 +127,7 @@ class MeterReport(Protocol):
 class TrainerProtocol(Protocol):
     """What a caller (the runner) reads of a trainer: ``sections.Engine``, ``sections.WholeGraph`` and
     ``sections.RecomputeGrad`` (and ``sections.MicroBatched`` around one) each satisfy it (``tests/test_protocols.py``). A member a baseline lacks the meaning
-    of is there with ``None``: ``plan``, ``memory_floor``, ``planning_seconds``, ``lean``, ``flops()``,
+    of is there with ``None``: ``plan``, ``memory_floor``, ``planning_seconds``, ``plan_remembered``, ``lean``, ``flops()``,
     ``micro_batch``, ``describe_micro_batches()``; ``sections.MicroBatched`` answers for the trainer it wraps."""
 
     strategy: str  # "sectioned", "whole", "recompute_grad"
@@ -142,6 +142,7 @@ class TrainerProtocol(Protocol):
     plan: PlanReport | None  # sections="auto", after build
     planning_seconds: float | None
     dry_runs: Sequence  # sections="auto": each dry step's {"sections", "predicted", "measured", "ran_out", "fits"}
+    plan_remembered: bool | None  # sections="auto" with a plan_store: whether the remembered plan runs; else None
     memory_measured: bool
     memory_note: str | None  # why memory is not measured (None: it is)
     lean: bool | str | None  # None: a trainer without lean gradients

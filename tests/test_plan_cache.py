@@ -112,7 +112,8 @@ def test_a_keras_models_cut_blocks_have_a_key():
 
 
 def test_the_runners_cache_keeps_a_record_per_file_and_says_what_it_cannot_read_or_write(tmp_path, caplog):
-    from runner.run.plan_cache import PlanCache, check, default_folder, plan_cache
+    from runner.config.checks import check_plan_cache as check
+    from runner.run.plan_cache import PlanCache, default_folder, plan_cache
     from runner.errors import ConfigError
 
     cache = PlanCache(tmp_path / "plans")

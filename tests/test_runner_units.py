@@ -126,7 +126,8 @@ def test_metrics_carry_each_dry_steps_prediction_and_planning_in_steps():
     from runner.run.train import planning_figures
 
     dry = [{"sections": 5, "predicted": 300, "measured": 290, "ran_out": False, "fits": True, "seconds": 2.0}]
-    engine = SimpleNamespace(plan=object(), planning_seconds=30.0, dry_runs=dry)
-    assert planning_figures(engine, 3.0) == {"planning_dry_steps": dry, "planning_in_steps": 10.0}
+    engine = SimpleNamespace(plan=object(), planning_seconds=30.0, dry_runs=dry, plan_remembered=True)
+    assert planning_figures(engine, 3.0) == {"planning_dry_steps": dry, "planning_in_steps": 10.0,
+                                             "plan_remembered": True}
     assert planning_figures(engine, float("nan"))["planning_in_steps"] is None
     assert planning_figures(SimpleNamespace(plan=None, planning_seconds=None, dry_runs=()), 3.0) == {}

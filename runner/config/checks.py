@@ -136,8 +136,6 @@ def _check_train(train: DictConfig) -> None:
     if train.progress not in PROGRESS:
         raise ConfigError("train.progress", train.progress, f"allowed: {', '.join(PROGRESS)}")
     check_gpu_memory(train.get("gpu_memory"))
-    from runner.run.plan_cache import check as check_plan_cache
-
     check_plan_cache(train.get("plan_cache"))
     if train.inter_op_threads not in (None, "auto"):
         value = train.inter_op_threads
@@ -151,6 +149,15 @@ def _check_train(train: DictConfig) -> None:
     if window is not None and (len(window) != 2 or not 1 <= window[0] <= window[1] <= train.steps):
         raise ConfigError("train.profile_steps", list(window), f"must be [first, last] with "
                           f"1 <= first <= last <= train.steps ({train.steps}), or null")
+
+
+def check_plan_cache(value) -> None:
+    """`train.plan_cache`: auto (the user's cache folder), null or false (none), or a folder (runner/run/plan_cache.py)."""
+    if value is None or value is False or value == "auto":
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError("train.plan_cache", value, "allowed: auto (the user's cache folder), null or false (no "
+                                                      "cache), or a folder")
 
 
 def _positive(node: DictConfig, key: str, prefix: str = "") -> None:

@@ -13,11 +13,11 @@ import logging
 import os
 from pathlib import Path
 
-from runner.errors import ConfigError, RunnerError
+from runner.errors import RunnerError
 from runner.platform.files import first_line, write_atomic
 
 log = logging.getLogger("runner")
-DEFAULT = "auto"
+DEFAULT = "auto"  # the user's cache folder (`default_folder`)
 
 
 def default_folder() -> Path:
@@ -26,17 +26,8 @@ def default_folder() -> Path:
     return Path(root) / "sectionflow" / "plans"
 
 
-def check(value) -> None:
-    """`train.plan_cache`: auto, null (or false), or a folder."""
-    if value is None or value is False or value == DEFAULT:
-        return
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError("train.plan_cache", value, "allowed: auto (the user's cache folder), null or false (no "
-                                                      "cache), or a folder")
-
-
 def plan_cache(value) -> "PlanCache | None":
-    """The store for `value` (checked by `check`), or None where the cache is off."""
+    """The store for `value` (checked by `runner.config.checks`), or None where the cache is off."""
     if value is None or value is False:
         return None
     return PlanCache(default_folder() if value == DEFAULT else Path(os.path.expanduser(value)))

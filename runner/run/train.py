@@ -321,10 +321,9 @@ def planning_figures(engine, median_step: float | None) -> dict:
     if engine.plan is None or engine.planning_seconds is None:
         return {}
     steps = engine.planning_seconds / median_step if median_step and median_step == median_step else None
-    calibrator = getattr(engine, "calibrator", None)
     # train.plan_cache: True where the plan a cache remembered ran, False where it was tried and not, None: none
-    remembered = getattr(calibrator, "from_record", None)
-    return {"planning_dry_steps": list(engine.dry_runs), "planning_in_steps": steps, "plan_remembered": remembered}
+    return {"planning_dry_steps": list(engine.dry_runs), "planning_in_steps": steps,
+            "plan_remembered": engine.plan_remembered}
 
 
 def summarize(history: list, results: dict, data, batch: int, step: int) -> dict:

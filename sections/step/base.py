@@ -47,6 +47,9 @@ class Trainer:
     planning_seconds: float | None = None
     #: ``sections="auto"``: each dry step's predicted and measured peak, sections and verdict; else none.
     dry_runs: tuple = ()
+    #: ``sections="auto"`` with a ``plan_store``: True where the plan remembered for the set-up runs, False where
+    #: it was tried and searched past; None: no record (and every other trainer).
+    plan_remembered: bool | None = None
     #: Lean gradients (``Engine``'s ``lean``); None: a trainer without them (the baselines run Keras's own).
     lean: bool | str | None = None
     #: Why the update runs once after the whole backward (None: section by section in it).

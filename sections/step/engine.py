@@ -81,7 +81,7 @@ class Engine(Trainer):
             under ``fit``); dry steps and a step run again after running out of memory restore them too.
         plan_store: ``sections="auto"``: a mapping (``get`` and item assignment) where chosen plans are kept under a
             key of what they depend on (``sections.step.remembered``): a plan found there for this set-up is
-            dry-run first and runs where it is the planner's own and fits, so processes of one set-up run one
+            read back, dry-run first and runs where it fits, so processes of one set-up run one
             plan; the plan chosen (and each re-plan) is written back. ``None``: every build searches afresh.
 
     Example:
@@ -182,6 +182,12 @@ class Engine(Trainer):
     @property
     def profiles(self):
         return self.calibrator.profiles if self.calibrator is not None else None
+
+    @property
+    def plan_remembered(self) -> bool | None:
+        """True where the plan ``plan_store`` remembered for this set-up runs, False where it was tried and searched
+        past, None where there was none (``sections.step.remembered``)."""
+        return self.calibrator.from_record if self.calibrator is not None else None
 
     @property
     def dry_runs(self) -> list[dict]:
