@@ -52,6 +52,8 @@ class SectionedModel(keras.Model):
         apply: ``"auto"``, ``"in_backward"`` or ``"at_end"``: where the optimizer applies each section's
             gradients (``Engine(apply=...)``).
         max_blocks: at most this many blocks the model is cut into (``Network.from_keras``).
+        plan_store: for ``sections="auto"``: a mapping where chosen plans are kept per set-up and tried first by the
+            next build of it (``Engine(plan_store=...)``); ``shelve.open(path)`` keeps them across processes.
 
     Create it (and the model) under ``strategy.scope()`` to train on a ``tf.distribute`` strategy's replicas.
 
@@ -64,7 +66,7 @@ class SectionedModel(keras.Model):
 
     def __init__(self, model, sections=4, policy="recompute", memory_budget=None, check: bool = False,
                  probe_batch: int | None = None, one_graph: bool = False, max_blocks: int = 64, lean: bool | str = True,
-                 apply: str = "auto", name=None):
+                 apply: str = "auto", name=None, plan_store=None):
         _check_model(model)
         super().__init__(name=name or f"sectioned_{model.name}")
         self.model = model
@@ -72,6 +74,8 @@ class SectionedModel(keras.Model):
         self._engine_args = dict(sections=sections,
                                  policy=policy, memory_budget=memory_budget, check=check,
                                  probe_batch=probe_batch, one_graph=one_graph, lean=lean, apply=apply)
+        # Set past Keras's attribute tracking, which would copy a dict: the engine writes to the caller's mapping.
+        object.__setattr__(self, "_plan_store", plan_store)
         self.network = self._cut(model, sections, max_blocks)
         self.engine = self._new_engine(optimizer=None)  # checks sections and policy now: bad input fails here
         self.section_stats: dict | None = None
@@ -216,7 +220,7 @@ class SectionedModel(keras.Model):
                       distribute=strategy if strategy is not None and strategy.num_replicas_in_sync > 1 else None,
                       penalty=_weight_penalty(self.model),
                       extra_state=lambda: [v for m in self.metrics for v in m.variables],  # the loss updates them
-                      **self._engine_args)
+                      plan_store=self._plan_store, **self._engine_args)
 
 
 class _SectionTelemetry(keras.callbacks.Callback):

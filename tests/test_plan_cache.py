@@ -172,3 +172,36 @@ def test_two_runs_of_one_set_up_run_one_plan_through_the_cache(tmp_path):
     assert [m["plan_remembered"] for m in found] == [None, True], found
     assert found[0]["section_blocks"] == found[1]["section_blocks"] and len(found[1]["planning_dry_steps"]) == 1
     assert len(list((tmp_path / "plans").glob("*.json"))) == 1
+
+
+def test_a_sectioned_model_keeps_its_plan_in_the_callers_mapping(tmp_path):
+    """``SectionedModel(plan_store=...)``: the caller's own dict receives the record (Keras's attribute tracking
+    copies a dict assigned to a model; the wrapper keeps it past that), and a second wrapper runs it from a
+    ``shelve`` (docs/FIT.md's way across processes)."""
+    import shelve
+
+    import numpy as np
+
+    from sections import SectionedModel
+
+    def wrapped(store):
+        keras.backend.clear_session()
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((16, 16, 2), name="image")
+        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="c1")(inp)
+        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="c2")(h)
+        out = keras.layers.Dense(10, name="head")(keras.layers.GlobalAveragePooling2D(name="pool")(h))
+        model = SectionedModel(keras.Model(inp, out), sections="auto", memory_budget="1GiB", plan_store=store)
+        model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.default_rng(0)
+        model.fit(rng.normal(size=(32, 16, 16, 2)).astype("float32"), rng.integers(0, 10, 32), batch_size=32,
+                  epochs=1, verbose=0)
+        return model
+
+    store = {}
+    first = wrapped(store)
+    assert len(store) == 1 and first.engine.plan_remembered is None
+    with shelve.open(str(tmp_path / "plans")) as shelf:
+        shelf.update(store)
+    with shelve.open(str(tmp_path / "plans")) as shelf:
+        assert wrapped(shelf).engine.plan_remembered is True
