@@ -441,12 +441,13 @@ def test_two_processes_of_one_command_run_the_same_partition_and_policies(tmp_pa
     """Item 5: the plan after the least-memory plan's dry step is chosen for a room on a ladder the counts fix, so
     readings that differ by process (the allocator's heap) do not move the partition. On this small model the two
     readings agreed with the room that followed them too (checked once): the pure search's test
-    (tests/test_search.py) is the one that holds readings apart."""
+    (tests/test_search.py) is the one that holds readings apart. The plan cache off: the search itself is what
+    this checks (with it, the second run reads the first's plan back: tests/test_plan_cache.py)."""
     plans = []
     for k in range(2):
         out = tmp_path / f"run{k}"
         proc = on_device(350, "-m", "runner", *RESNET, "sections=auto", "batch=512", "train.steps=1",
-                         f"hydra.run.dir={out}")
+                         "train.plan_cache=null", f"hydra.run.dir={out}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         m = metrics(out)
         plans.append((m["section_blocks"], m["policies"], [d["measured"] for d in m["planning_dry_steps"]]))
