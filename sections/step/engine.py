@@ -15,7 +15,6 @@ from .. import rules
 from ..allocator import kernel_crash_warning
 from ..backend.device import OutOfMemory
 from ..backend.static_cost import count_span, static_blocks
-from .remembered import plan_key
 from ..backend.workspace import Workspaces
 from ..network.network import Network
 from ..schedule.policies import Recompute, resolve
@@ -25,6 +24,7 @@ from .calibrate import BudgetExceededError, Calibrator, PlanCosts, replanning
 from .section_functions import Compiled, ReplayMismatchError, compile_schedule
 from .executor import DryStep, Executor, WeightPenalty
 from .measure import Measurer
+from .remembered import plan_key
 from .update import why_at_end
 
 log = logging.getLogger("sections")
