@@ -75,7 +75,7 @@ class SectionedModel(keras.Model):
                                  policy=policy, memory_budget=memory_budget, check=check,
                                  probe_batch=probe_batch, one_graph=one_graph, lean=lean, apply=apply)
         # Set past Keras's attribute tracking, which would copy a dict: the engine writes to the caller's mapping.
-        object.__setattr__(self, "_plan_store", plan_store)
+        object.__setattr__(self, "plan_store", plan_store)
         self.network = self._cut(model, sections, max_blocks)
         self.engine = self._new_engine(optimizer=None)  # checks sections and policy now: bad input fails here
         self.section_stats: dict | None = None
@@ -220,7 +220,7 @@ class SectionedModel(keras.Model):
                       distribute=strategy if strategy is not None and strategy.num_replicas_in_sync > 1 else None,
                       penalty=_weight_penalty(self.model),
                       extra_state=lambda: [v for m in self.metrics for v in m.variables],  # the loss updates them
-                      plan_store=self._plan_store, **self._engine_args)
+                      plan_store=self.plan_store, **self._engine_args)
 
 
 class _SectionTelemetry(keras.callbacks.Callback):
