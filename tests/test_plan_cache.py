@@ -41,6 +41,9 @@ def test_a_remembered_plan_runs_with_one_dry_step_and_a_record_of_another_plan_i
     (key, record), = store.items()
     assert key == first.plan_key and record["schedule"]["starts"] == list(first.schedule.starts)
     json.dumps(record)  # plain data: what a file keeps
+    counted = first.calibrator._plan_of(first.calibrator._candidate(first.plan))  # the planner's, not the adopted
+    assert record["plan"]["modelled"] == counted.predicted_peak - counted.base_bytes != \
+        first.plan.predicted_peak - first.plan.base_bytes
     again = built(dict(store), batch)
     assert again.plan_key == key and again.calibrator.from_record is True
     assert again.schedule == first.schedule and len(again.dry_runs) == 1

@@ -306,7 +306,9 @@ class Calibrator:
             return None
         schedule = self.plan.schedule
         dry = max((s.peak for s in self.search.steps if s.candidate.key == schedule), default=None)
-        return record_of(self.plan, dry)
+        # The planner's own plan, not the one in force: adopting it set its prediction to what its dry step read,
+        # and a record of that as its count would read, in the next process's fit, as a count with no excess.
+        return record_of(self._plan_of(self._candidate(self.plan)), dry)
 
     def _dry_run(self, candidate: Candidate, batch, why: str, predicted: int | None = None) -> None:
         plan = self._plan_of(candidate)
@@ -486,7 +488,7 @@ def replanning(trainer, run, plan_batch, adopted=lambda: None):
             if attempt == MAX_REPLANS:
                 raise err from None
             attempt += 1
-            trainer.calibrator.replan_below(err, plan_batch)
+            calibrator.replan_below(err, plan_batch)
             adopted()
 
 
