@@ -75,8 +75,9 @@ def test_a_remembered_plan_whose_dry_step_does_not_fit_is_searched_past(first, m
     with caplog.at_level(logging.INFO, logger="sections"):
         again = built(dict(store), batch)
     assert again.calibrator.from_record is False and "does not fit in this process; searching" in caplog.text
-    # the search went on from the least-memory plan (another plan here: 3 sections against the remembered 1)
-    least = first.calibrator._least_plan().schedule
+    # the search went on from this process's least-memory plan (another plan than the remembered one-section plan;
+    # its count, kernels' work buffers included, can differ from the first build's)
+    least = again.calibrator._least_plan().schedule
     assert least != first.schedule and again.dry_runs[1]["sections"] == least.num_sections
     assert len(again.dry_runs) <= 3
 
