@@ -209,3 +209,26 @@ def test_a_sectioned_model_keeps_its_plan_in_the_callers_mapping(tmp_path):
         shelf.update(store)
     with shelve.open(str(tmp_path / "plans")) as shelf:
         assert wrapped(shelf).engine.plan_remembered is True
+
+
+def test_the_benchmark_commands_compose():
+    """BENCHMARKS.md's "One plan per set-up" commands are valid overrides (composed and checked, not run)."""
+    import re
+    import shlex
+
+    from hydra import compose, initialize_config_dir
+
+    from runner.app import CONF
+    from runner.config.checks import check_config
+    from runner.config.schema import register
+
+    text = (Path(__file__).resolve().parents[1] / "BENCHMARKS.md").read_text()
+    section = text[text.index("## One plan per set-up"):text.index("## Tried and not kept")]
+    commands = re.findall(r"^TF_CPU_BFC_MEM_LIMIT_IN_MB=\d+ python -m runner (.*)$", section, re.M)
+    assert len(commands) == 2
+    register()
+    for line in commands:
+        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+            cfg = compose("config", overrides=shlex.split(line))
+        check_config(cfg)
+        assert cfg.sections == "auto" and cfg.train.plan_cache == "/tmp/plans"
