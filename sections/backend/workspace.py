@@ -2,8 +2,9 @@
 (TensorFlow's CPU convolution gradients unroll patches: 8-32 MiB each at keras.applications ResNet50's second
 stage, batch 32). Measured once per distinct op (type, attributes, input shapes and constant inputs) by running
 that op alone on the device, and added to the traced count at the op that needs it (``liveness.graph_memory``).
-The same op measures the same in every process on one machine (a kernel sizes its buffers from shapes and the
-machine's caches and threads)."""
+A kernel sizes its buffers from shapes and the machine's caches and threads; what the allocator adds (a chunk
+served whole for a smaller request, which moves with what the process freed before) is read out: the outputs'
+chunks are read after the run, and a buffer's reading is taken again with its chunk held (``PEELS``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ log = logging.getLogger("sections")
 
 _SKIP = ALIASES | IN_PLACE | NO_BUFFER | SHAPE_ONLY
 _OPAQUE = (tf.resource, tf.variant, tf.string)
+PEELS = 3  # readings of an op's work buffers after its first, each with the chunk the last was served from held
+PEEL_FROM = 2**20  # ... for readings of at least this many bytes (a smaller one moves by kilobytes)
+PEEL_SHARE = 0.8  # ... taken only while what is in use, the op's tensors and twice its reading stay within this share
 
 
 class Workspaces:
@@ -30,10 +34,11 @@ class Workspaces:
     MiB for their patches beside 0.3 MiB of inputs and outputs at batch 16, and the same at 64; ResNet50's 146
     distinct ops measure in 5 s). ``unmeasured``: op types that could not be measured (named in the log once). ``limit``: the
     device's hard limit in bytes, where it has one: an op whose inputs and outputs would not fit beside what is in
-    use is not run (a failed allocation costs TensorFlow's allocator retry, 10 s)."""
+    use is not run (a failed allocation costs TensorFlow's allocator retry, 10 s). ``room``: the device's memory
+    (None: unknown): a reading is checked again with its chunk held (``PEELS``) only where that fits well within it."""
 
-    def __init__(self, meter, device: str | None = None, limit: int | None = None):
-        self.meter, self.device, self.limit = meter, device or meter.device, limit
+    def __init__(self, meter, device: str | None = None, limit: int | None = None, room: int | None = None):
+        self.meter, self.device, self.limit, self.room = meter, device or meter.device, limit, room
         self.cache: dict = {}
         self.seconds = 0.0
         self._failed = None  # the inputs and outputs of the smallest op that ran out of memory alone
@@ -67,18 +72,42 @@ class Workspaces:
                     return None
                 fn, args = run
                 fn(*args)  # the first run: a GPU's algorithm search, whose trial buffers are not a step's
-                self.meter.reset()
-                before = self.meter.current()
-                out = fn(*args)
-                peak = self.meter.peak()
-            made = sum(int(np.prod(o.shape)) * o.dtype.size for o in tf.nest.flatten(out))
-            del out, args
-            return max(0, peak - before - made)
+                work = self._held_beyond(fn, args)
+                work = self._peeled(fn, args, work, sizes)
+            del args
+            return work
         except tf.errors.ResourceExhaustedError:
             self._failed = min(sizes, self._failed or sizes)
             return None
         except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, ValueError, TypeError):
             return None
+
+    def _peeled(self, fn, args, work: int, sizes: int) -> int:
+        """The least of ``work`` and further readings, each with the chunk the last was served from held. A reading
+        is the buffers' chunks: the allocator serves a request whole from a free chunk under twice its size, so a
+        reading can hold up to that much slack, by what the process freed before (MobileNetV2's 1x1 convolution
+        gradients read 21.8-38.3 MiB by process). With those chunks taken, the buffers come from chunks cut to size."""
+        plugs = []
+        try:
+            for _ in range(PEELS):
+                if work < PEEL_FROM or self.room is None or \
+                        self.meter.current() + sizes + 2 * work > PEEL_SHARE * self.room:
+                    break
+                plugs.append(tf.zeros([work], tf.uint8))
+                work = min(work, self._held_beyond(fn, args))
+        except tf.errors.ResourceExhaustedError:
+            pass  # the device's edge: the least reading so far stands
+        del plugs
+        return work
+
+    def _held_beyond(self, fn, args) -> int:
+        """What one run of ``fn`` held at its peak beyond its inputs and its outputs' chunks (the outputs' own
+        chunks read after the run: their slack is the allocator's, not the kernel's)."""
+        self.meter.reset()
+        out = fn(*args)
+        peak, held = self.meter.peak(), self.meter.current()
+        del out
+        return max(0, peak - held)
 
 
 def op_key(op):

@@ -222,7 +222,7 @@ class Engine(Trainer):
         log.info(f"planning: counting {len(self.network.blocks)} blocks' memory from their traces at batch "
                  f"{self.borders.real_batch}")
         began = time.perf_counter()
-        work = self.workspaces = Workspaces(self.meter)
+        work = self.workspaces = Workspaces(self.meter, room=self.device_memory.total)
         profiles = static_blocks(self.network, self.borders, self.lean, work)
         measurer = Measurer(self.network, self.executor, self.compile, self.meter, self.lean)
         hint = None

@@ -46,7 +46,7 @@ def worker(model: str, spans: list, repeats: int, trace: bool = False) -> None:
     engine = Engine(net, keras.optimizers.Adam(1e-3), sections=2)
     engine.build(batch)  # the border specs
     borders, meter, mib = engine.borders, engine.meter, 2**20
-    work = Workspaces(meter)
+    work = Workspaces(meter, room=engine.device_memory.total)  # as the engine measures them
     for s, t in spans:
         blocks = net.blocks[s:t]
         state = [v for b in blocks for v in b.layer.non_trainable_variables]
