@@ -6,6 +6,7 @@ import weakref
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from sections import Network
@@ -209,3 +210,16 @@ def assert_same_variables(a: Network, b: Network, rtol=1e-5, atol=1e-6) -> None:
             at += n
         worst = ", ".join(f"{path} {e:.2g}" for e, path in sorted(detail, reverse=True)[:3])
         raise AssertionError(f"relative distance over the whole update {error:.3g} > {rtol}; worst: {worst}")
+
+
+def onednn_bfloat16_apart(precision: str = "mixed_bfloat16"):
+    """A pytest mark: where this process runs oneDNN's kernels, a bfloat16 comparison of sections against one graph
+    is known to fail. On an Intel Xeon with AVX-512 (TensorFlow 2.21) oneDNN fuses bfloat16 ops differently in a
+    section's graph than in one whole graph, and the results part beyond bfloat16's rounding: the exactness report
+    read a gradient 0.126 apart (tolerance 0.125) on an 8-channel net, `fit` 1.4e-2 of the update apart, where two
+    plain loops agree exactly and the same tests pass with ``TF_ENABLE_ONEDNN_OPTS=0`` (and passed on an AMD EPYC
+    with AVX2). Not strict: it passes where oneDNN does not take bfloat16."""
+    from sections.backend.tf_internals import onednn_enabled
+
+    return pytest.mark.xfail(precision == "mixed_bfloat16" and bool(onednn_enabled()), strict=False,
+                             reason="oneDNN's bfloat16 kernels fuse differently per graph (tests/engine_nets.py)")

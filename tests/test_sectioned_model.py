@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from sections import SectionedModel
 from sections.schedule.planner import NoPlanFits
-from engine_nets import float_vector, update_error
+from engine_nets import float_vector, onednn_bfloat16_apart, update_error
 
 BATCH = 8
 SGD = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
@@ -184,9 +184,10 @@ def test_dataset_and_generator_inputs(source):
     pytest.param("mixed_float16", False, marks=pytest.mark.slow),  # float16 has no fast CPU kernels
     ("mixed_bfloat16", False),
 ], ids=["jit_compile", "mixed_float16", "mixed_bfloat16"])
-def test_jit_compile_and_mixed_precision(policy, jit):
+def test_jit_compile_and_mixed_precision(policy, jit, request):
     """compile(jit_compile=True) compiles the sections with XLA (the reference is plain fit under XLA: XLA
     draws its own dropout bits); a mixed policy's LossScaleOptimizer scales the sections' loss."""
+    request.applymarker(onednn_bfloat16_apart(policy))
     x, y = images()
     keras.mixed_precision.set_dtype_policy(policy)
     try:

@@ -197,7 +197,8 @@ _unpruned: dict = {}  # id of a thread's call options -> (those options, the sam
 @written_for(*TENSORFLOW)
 @contextlib.contextmanager
 def unpruned_calls():
-    """Eager calls of ``tf.function``s in this block (this thread) run with Grappler's model pruning off.
+    """Eager calls of ``tf.function``s in this block (this thread) run with Grappler's model pruning and dependency
+    optimizer off (both re-wire control edges; the second below).
 
     The pruner removes identities and re-wires their control edges; a lean gradient's re-computation, ordered
     after the gradient arriving by such an edge, then runs in the forward pass and holds what lean gradients free
@@ -206,7 +207,7 @@ def unpruned_calls():
     keep TensorFlow's defaults. Absent (TensorFlow's eager context changed): calls run with the defaults, said
     once."""
     try:
-        from tensorflow.core.protobuf import config_pb2
+        from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
         from tensorflow.python.eager import context
 
         ctx = context.context()
@@ -222,6 +223,9 @@ def unpruned_calls():
         config = config_pb2.ConfigProto()
         config.ParseFromString(current.config_proto_serialized)
         config.graph_options.rewrite_options.disable_model_pruning = True
+        # The dependency optimizer re-wires control edges too: with oneDNN's kernels and bfloat16 it turned a
+        # backward's creation-order chain (``run_in_creation_order``) into a cycle ("26 nodes in a cycle").
+        config.graph_options.rewrite_options.dependency_optimization = rewriter_config_pb2.RewriterConfig.OFF
         entry = _unpruned[id(current)] = (current, context.FunctionCallOptions(
             executor_type=current.executor_type, config_proto=config))
     local.function_call_options = entry[1]
