@@ -137,6 +137,7 @@ class _Solver:
         self.slot = max(limit, 1.0) / resolution
         self.feasible = limit > 0
         self.f: dict = {}
+        self._right: dict = {}  # (q, t) -> f[(q, t)] shifted by the border at q
 
     def up(self, b) -> int:
         return int(math.ceil(b / self.slot - 1e-9))
@@ -145,29 +146,39 @@ class _Solver:
         return int(math.floor(b / self.slot + 1e-9))
 
     def shifted(self, arr, need: int):
-        """``out[m] = arr[m - need]`` (``inf`` below zero, ``arr[R]`` above R)."""
-        idx = np.arange(self.R + 1) - need
-        out = np.full(self.R + 1, _INF)
-        ok = idx >= 0
-        out[ok] = arr[np.minimum(idx[ok], self.R)]
+        """``out[m] = arr[m - need]`` (``inf`` below zero, ``arr[R]`` above R). Slices, not an index array: the
+        solver asks this O(n^3) times (MobileNetV2's 64 blocks: half a million calls a solve)."""
+        size = self.R + 1
+        out = np.empty(size)
+        if need >= 0:
+            need = min(need, size)
+            out[:need] = _INF
+            out[need:] = arr[:size - need]
+        else:
+            k = min(-need, size - 1)
+            out[:size - k] = arr[k:]
+            out[size - k:] = arr[self.R]
         return out
 
     def options(self, s: int, t: int):
         """Every way to train segment [s, t): (kind, q, policy, cost over memory slots)."""
-        c, m = self.c, np.arange(self.R + 1)
-        leaf = self.up(c.section(s, t, self.scale).activation_bytes + c.grads_after[t])
-        yield "leaf", t, None, np.where(m >= leaf, c.seconds(s, t) + self.overhead, _INF)
+        c = self.c
+        leaf = np.full(self.R + 1, c.seconds(s, t) + self.overhead)
+        leaf[:max(self.up(c.section(s, t, self.scale).activation_bytes + c.grads_after[t]), 0)] = _INF
+        yield "leaf", t, None, leaf
         for q in range(s + 1, t):
             grad_q, grad_t = c.border[q], c.border[t]
             for policy in self.units:
                 pc = policy.cost(c.section(s, q, self.scale))
                 rest = self.shifted(self.f[(q, t)], self.up(pc.kept_bytes + c.border[q]))
                 back = self.up(pc.kept_bytes + pc.backward_bytes + grad_q + c.grads_after[q]) - self.down(grad_t)
-                cost = c.seconds(s, q) + pc.extra_seconds + self.overhead + rest
-                yield "unit", q, policy, np.where(m >= back, cost, _INF)
-            right = self.shifted(self.f[(q, t)], self.up(c.border[q]))
+                cost = c.seconds(s, q) + pc.extra_seconds + self.overhead + rest  # a new array: written in place
+                cost[:max(back, 0)] = _INF
+                yield "unit", q, policy, cost
+            if (q, t) not in self._right:  # the same for every s
+                self._right[(q, t)] = self.shifted(self.f[(q, t)], self.up(c.border[q]))
             left = self.shifted(self.f[(s, q)], self.up(grad_q) - self.down(grad_t))
-            yield "split", q, None, c.seconds(s, q) + right + left
+            yield "split", q, None, c.seconds(s, q) + self._right[(q, t)] + left
 
     def solve(self) -> float:
         for length in range(1, self.c.n + 1):
