@@ -72,8 +72,7 @@ class Workspaces:
                     return None
                 fn, args = run
                 fn(*args)  # the first run: a GPU's algorithm search, whose trial buffers are not a step's
-                work = self._held_beyond(fn, args)
-                work = self._peeled(fn, args, work, sizes)
+                work = self._peeled(fn, args, self._held_beyond(fn, args), sizes)
             del args
             return work
         except tf.errors.ResourceExhaustedError:
