@@ -13,6 +13,7 @@ TensorFlow loads lazily here (in the functions), so the runner may import this m
 from __future__ import annotations
 
 import contextlib
+import heapq
 import sys
 import warnings
 
@@ -180,14 +181,44 @@ def run_in_creation_order(graph, first: int, last: int) -> None:
 
     # Views, shapes and constants make no buffer worth ordering, and Grappler rewires their edges (a chain through
     # them ended in a cycle once it had).
-    ops = [op for op in graph.get_operations()[first:last]
-           if op.type not in ALIASES and op.type not in NO_BUFFER and op.type not in SHAPE_ONLY]
+    every = graph.get_operations()
+    chosen = {id(op) for op in every[first:last]
+              if op.type not in ALIASES and op.type not in NO_BUFFER and op.type not in SHAPE_ONLY}
+    ops = [op for op in _creation_topological(every) if id(op) in chosen]
     try:
         for before, op in zip(ops, ops[1:]):
             op._add_control_input(before)
     except AttributeError:
         _warn_once("Operation._add_control_input",
                    "a backward runs its ops in TensorFlow's order, which may hold more than its trace counts")
+
+
+def _creation_topological(ops: list) -> list:
+    """``ops`` (a graph's, in creation order) in an order that respects their data and control edges, otherwise in
+    creation order. Creation order alone usually does, but not always: a while loop's gradient gives the forward
+    loop new outputs after the gradient's ops that read them were made (a masked GRU's backward: "182 nodes in a
+    cycle" once chained)."""
+    index = {id(op): i for i, op in enumerate(ops)}
+    waiting = [0] * len(ops)
+    readers: list = [[] for _ in ops]
+    for i, op in enumerate(ops):
+        sources = {index[id(t.op)] for t in op.inputs if id(t.op) in index}
+        sources |= {index[id(c)] for c in op.control_inputs if id(c) in index}
+        sources.discard(i)
+        waiting[i] = len(sources)
+        for j in sources:
+            readers[j].append(i)
+    ready = [i for i, n in enumerate(waiting) if n == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(ops[i])
+        for j in readers[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(ready, j)
+    return order if len(order) == len(ops) else list(ops)
 
 
 # ------------------------------------------------------------------------------------------- function calls
