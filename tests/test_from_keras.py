@@ -107,14 +107,14 @@ def application(name, shape=(32, 32, 3)):
 # of these models have one-tensor borders, so ``keep`` adds such a cut.
 APPS = [
     # 16 s: slow (MobileNetV2 below keeps a residual add across a cut in the fast run)
-    pytest.param("ResNet50V2", ["conv2_block2_1_relu", "conv2_block3_out"], (), id="resnet50v2-names",
+    pytest.param("ResNet50V2", ["conv2_block2_1_relu", "conv2_block3_out"], ("conv2_block2_1_relu",), id="resnet50v2-names",
                  marks=pytest.mark.slow),
     pytest.param("MobileNetV2", ["block_2_depthwise", "block_3_expand"], ("block_2_depthwise",),
                  id="mobilenetv2-names", marks=pytest.mark.slow),  # 9 s; tests/test_exact_every_cut.py cuts it in-block
     # 27 s on 2 cores: slow (a concatenation across a cut stays in the fast run through the small models below)
     pytest.param("DenseNet121", ["conv2_block2_1_conv", "pool1"][::-1], ("conv2_block2_1_conv",),
                  id="densenet121-names", marks=pytest.mark.slow),
-    pytest.param("ResNet50V2", ["conv3_block1_out", "conv4_block1_out", "conv5_block2_1_relu"], (),
+    pytest.param("ResNet50V2", ["conv3_block1_out", "conv4_block1_out", "conv5_block2_1_relu"], ("conv5_block2_1_relu",),
                  id="resnet50v2-late-names", marks=pytest.mark.slow),
     pytest.param("ResNet50V2", 3, (), id="resnet50v2-int", marks=pytest.mark.slow),
     pytest.param("MobileNetV2", 4, (), id="mobilenetv2-int", marks=pytest.mark.slow),
@@ -398,3 +398,21 @@ def test_from_keras_is_a_method_of_network_itself():
     assert "from_keras" not in vars(keras_network.KerasNetwork)
     net = network.Network.from_keras(residual(), xent)
     assert isinstance(net, keras_network.KerasNetwork) and net.boundaries
+
+
+def test_cut_points_beyond_max_blocks_are_kept_where_the_bytes_are():
+    """Twelve wide layers then twelve narrow ones, one cut point after each, at most 7 blocks: the kept cuts fall
+    where activations and weights are: five of six among the wide layers, the sixth where they end (its border is
+    the narrow layer's output); spread by layer count, three were."""
+    L = keras.layers
+    x = keras.Input((512,), name="x")
+    h = x
+    for i in range(12):
+        h = L.Dense(512, name=f"wide_{i}")(h)
+    for i in range(12):
+        h = L.Dense(4, name=f"narrow_{i}")(h)
+    model = keras.Model(x, L.Dense(3, name="out")(h))
+    net = Network.from_keras(model, xent, inputs="x", max_blocks=7)
+    assert len(net.blocks) == 7
+    kept = list(net.boundaries)
+    assert sum(name.startswith("wide") for name in kept) == 5 and "narrow_0" in kept, kept

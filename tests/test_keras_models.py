@@ -207,7 +207,7 @@ def test_help_for_an_application_on_data_it_cannot_take_lists_names_at_a_size_it
 def test_runner_trains_a_keras_application_resized_from_the_data(tmp_path):
     proc = run("model=keras_app", "model.name=MobileNetV2", "model.input_shape=[32,32,3]", "data=synthetic",
                "data.train_size=64", "data.test_size=16", "batch=8", "train=smoke", "sections=[block_3_expand]",
-               "model.keep=[block_3_expand]",  # a cut point merged away at the default max_blocks=64
+               "model.keep=[block_3_expand]",  # keep names a cut point whether or not max_blocks keeps it
                f"hydra.run.dir={tmp_path / 'run'}", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exact          yes" in proc.stdout + proc.stderr

@@ -50,14 +50,14 @@ def forward_flops(ops) -> float:
 
 
 def section_step(blocks, split: list, borders: list):
-    """Consecutive blocks' training run as a section's (``h``, the batch, a snapshot of the blocks' state): the
-    forward from the snapshot, then the backward with a unit gradient at the output. Each trace appends the index
-    of its first backward op to ``split`` and its border tensors' names to ``borders``. Also the state variables,
-    for the snapshot's specs."""
+    """Consecutive blocks' training run as a section's (``h``, the batch, a snapshot of the blocks' state, and the
+    gradient arriving at the output, or None for a unit gradient made inside): the forward from the snapshot, then
+    the backward. Each trace appends the index of its first backward op to ``split`` and its border tensors' names
+    to ``borders``. Also the state variables, for the snapshot's specs."""
     state = [v for block in blocks for v in block.layer.non_trainable_variables]
     variables = [_first_component(v) for block in blocks for v in block.layer.trainable_variables]
 
-    def train(h, batch, snapshot):
+    def train(h, batch, snapshot, upstream=None):
         with tf.GradientTape() as tape:
             xs = float_leaves(h)
             tape.watch(xs)
@@ -69,20 +69,25 @@ def section_step(blocks, split: list, borders: list):
         ys = float_leaves(out)
         borders.append(([x.name for x in xs], [y.name for y in ys]))
         if ys and (xs or variables):
-            return tape.gradient(ys, xs + variables, output_gradients=[tf.ones_like(y) for y in ys])
+            grads = [tf.ones_like(y) for y in ys] if upstream is None else list(upstream)
+            return tape.gradient(ys, xs + variables, output_gradients=grads)
         return []
 
     return train, state
 
 
-def _trace(blocks, h_specs, batch_specs, lean):
+def _trace(blocks, h_specs, batch_specs, lean, out_specs=None):
     """Consecutive blocks' forward and backward traced at the specs' batch, as one section's training run: the
-    graph, the index of its first backward op, and the names of its input and output border tensors."""
+    graph, the index of its first backward op, and the names of its input and output border tensors.
+    ``out_specs``: the output border's specs, whose gradient then arrives as an input, as it does in the engine,
+    where the caller holds it through the whole backward (no kernel can write into it); None (the loss's block):
+    a unit gradient made inside."""
     split, borders = [], []
     train, state = section_step(blocks, split, borders)
     snapshot = [tf.TensorSpec(v.shape, v.dtype) for v in state]
+    upstream = None if out_specs is None else float_leaves(out_specs)
     with lean_scope(lean):
-        graph = tf.function(train).get_concrete_function(h_specs, batch_specs, snapshot).graph
+        graph = tf.function(train).get_concrete_function(h_specs, batch_specs, snapshot, upstream).graph
     return graph, split[0], borders[0]
 
 
@@ -102,13 +107,12 @@ def static_blocks(network, borders, lean, work=None) -> list[BlockProfile]:
     output_read = 0  # of the previous block's output border, what its own backward reads (counted in its kept)
     for j, block in enumerate(network.blocks):
         h = borders.specs_before(j)
-        graph, split, (inputs, outputs) = _trace([block], h, fields, lean)
+        last = j == len(network.blocks) - 1
+        # The upstream gradient is an input (the caller's, which the planner counts as held): not in the peak.
+        graph, split, (inputs, outputs) = _trace([block], h, fields, lean, None if last else borders.output_specs[j])
         memory = graph_memory(graph, split, work)
         out = nbytes(borders.output_specs[j])
-        last = j == len(network.blocks) - 1
-        # The upstream gradient (``ones_like``) stands for the caller's, which the planner counts as held.
-        upstream = 0 if last else out
-        peak = max(memory.peak - upstream, 0)
+        peak = memory.peak
         kept = min(memory.kept, peak)
         # Inside a section, the border before this block is an activation like any other: held through the
         # backward where this block's backward reads it and the block before did not already keep it. When the
@@ -128,10 +132,10 @@ def count_span(network, borders, s: int, t: int, lean, work=None) -> int:
     hold beside its input border and its output's gradient, kernels' work buffers included where ``work`` measures
     them. Lean gradients that reach across blocks (a batch norm re-making its input from the convolution before it)
     are seen only here."""
+    out_specs = None if t == len(network.blocks) else borders.output_specs[t - 1]
     graph, split, _ = _trace(network.blocks[s:t], borders.specs_before(s),
-                             batch_specs(borders.probe_slice, borders.real_batch), lean)
-    upstream = 0 if t == len(network.blocks) else nbytes(borders.output_specs[t - 1])
-    return max(graph_memory(graph, split, work).peak - upstream, 0)
+                             batch_specs(borders.probe_slice, borders.real_batch), lean, out_specs)
+    return graph_memory(graph, split, work).peak
 
 
 def input_specs_at(borders, block: int):

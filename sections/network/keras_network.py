@@ -16,6 +16,7 @@ and ``model.save()`` after training holds the trained weights.
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Mapping, Sequence
 
 import keras
@@ -262,6 +263,34 @@ class _Graph:
         allowed.sort(key=lambda i: bin(self.anc[i]).count("1"))
         return allowed, reasons
 
+    def tensor_bytes(self, tensor_id: int) -> int | None:
+        """Bytes per example of a tensor of the graph (its shape after the batch axis); None where not known."""
+        if not hasattr(self, "_tensors"):
+            self._tensors = {id(x): x for x in self.fn.inputs}
+            self._tensors.update((id(x), x) for node in self.nodes for x in node.outputs)
+        x = self._tensors.get(tensor_id)
+        shape = list(getattr(x, "shape", None) or ())[1:]
+        if x is None or any(d is None for d in shape):
+            return None
+        return math.prod(shape) * tf.as_dtype(x.dtype).size
+
+    def output_bytes(self) -> list[int | None]:
+        """Per node, the bytes per example its outputs hold (None where a size is not known)."""
+        sizes = []
+        for node in self.nodes:
+            each = [self.tensor_bytes(id(x)) for x in node.outputs]
+            sizes.append(None if None in each else sum(each))
+        return sizes
+
+    def weight_bytes(self) -> list[int]:
+        """Per node, the bytes of its layer's trainable weights (a layer used twice counts at its first node)."""
+        seen, sizes = set(), []
+        for i in range(len(self.nodes)):
+            weights = [v for v in getattr(self.operation(i), "trainable_weights", ()) if id(v) not in seen]
+            seen.update(id(v) for v in weights)
+            sizes.append(sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in weights))
+        return sizes
+
     def border(self, before_mask: int) -> list[int]:
         """Tensor ids made before the cut and read after it (or returned by the model), in node order."""
         after = [i for i in range(len(self.nodes)) if not before_mask >> i & 1]
@@ -397,7 +426,8 @@ def _keep_nodes(graph: _Graph, cuts: list[int], reasons: dict, keep: Sequence[st
 
 
 def _choose_cuts(graph: _Graph, cuts: list[int], budget: int, forced: list[int]) -> list[int]:
-    """At most ``budget`` cut points (plus ``forced``): the smallest borders first, spread evenly."""
+    """At most ``budget`` cut points (plus ``forced``): the borders of fewest tensors first; where a group of them
+    is more than the room left, spread by bytes rather than by layer count (``_spread``)."""
     if len(cuts) <= budget:
         return cuts
     chosen = set(forced)
@@ -411,8 +441,43 @@ def _choose_cuts(graph: _Graph, cuts: list[int], budget: int, forced: list[int])
             chosen.update(group)
             room -= len(group)
         else:
-            step = len(group) / room
-            chosen.update(group[int((k + 0.5) * step)] for k in range(room))
+            chosen.update(_spread(graph, group, room))
             room = 0
     return [c for c in cuts if c in chosen]
 
+
+def _spread(graph: _Graph, group: list[int], room: int) -> list[int]:
+    """``room`` of the cuts ``group``, spread by what a section's backward holds for the layers between them: the
+    model's layers split into equal shares of the bytes their outputs hold per example plus equal shares of their
+    weights' bytes (which their gradients repeat), each share giving its cut with the smallest border. Blocks come
+    out finer where activations or weights are large (a network's high-resolution layers), where a section's
+    memory is decided; by layer count where sizes are not known per example (a free sequence length)."""
+    outputs = graph.output_bytes()
+    if None in outputs or not sum(outputs):
+        outputs = [1] * len(outputs)
+    weight = [o / sum(outputs) for o in outputs]
+    params = graph.weight_bytes()
+    if sum(params):
+        weight = [w + p / sum(params) for w, p in zip(weight, params)]
+    position, border = {}, {}
+    for c in group:
+        mask = graph.before(c)
+        position[c] = sum(w for i, w in enumerate(weight) if mask >> i & 1)
+        border[c] = sum(graph.tensor_bytes(t) or 0 for t in graph.border(mask))
+    total = sum(weight)
+    best: list[int] = []
+    for shares in range(room, 4 * len(group) + 1):  # more shares give more cuts, not always one more each time
+        pick: dict[int, int] = {}
+        for c in group:
+            k = min(int(position[c] / total * shares), shares - 1)
+            if k not in pick or border[c] < border[pick[k]]:
+                pick[k] = c
+        if len(best) < len(pick) <= room:
+            best = list(pick.values())
+        if len(best) == room:
+            break
+    while len(best) < room:  # the rest where the widest gap between chosen cuts is
+        marks = sorted([0.0, total, *(position[c] for c in best)])
+        middle = max((b - a, (a + b) / 2) for a, b in zip(marks, marks[1:]))[1]
+        best.append(min((c for c in group if c not in best), key=lambda c: abs(position[c] - middle)))
+    return best
