@@ -107,15 +107,15 @@ def application(name, shape=(32, 32, 3)):
 # of these models have one-tensor borders, so ``keep`` adds such a cut.
 APPS = [
     # 16 s: slow (MobileNetV2 below keeps a residual add across a cut in the fast run)
-    pytest.param("ResNet50V2", ["conv2_block2_1_relu", "conv2_block3_out"], ("conv2_block2_1_relu",), id="resnet50v2-names",
-                 marks=pytest.mark.slow),
+    pytest.param("ResNet50V2", ["conv2_block2_1_relu", "conv2_block3_out"], ("conv2_block2_1_relu",),
+                 id="resnet50v2-names", marks=pytest.mark.slow),
     pytest.param("MobileNetV2", ["block_2_depthwise", "block_3_expand"], ("block_2_depthwise",),
                  id="mobilenetv2-names", marks=pytest.mark.slow),  # 9 s; tests/test_exact_every_cut.py cuts it in-block
     # 27 s on 2 cores: slow (a concatenation across a cut stays in the fast run through the small models below)
     pytest.param("DenseNet121", ["conv2_block2_1_conv", "pool1"][::-1], ("conv2_block2_1_conv",),
                  id="densenet121-names", marks=pytest.mark.slow),
-    pytest.param("ResNet50V2", ["conv3_block1_out", "conv4_block1_out", "conv5_block2_1_relu"], ("conv5_block2_1_relu",),
-                 id="resnet50v2-late-names", marks=pytest.mark.slow),
+    pytest.param("ResNet50V2", ["conv3_block1_out", "conv4_block1_out", "conv5_block2_1_relu"],
+                 ("conv5_block2_1_relu",), id="resnet50v2-late-names", marks=pytest.mark.slow),
     pytest.param("ResNet50V2", 3, (), id="resnet50v2-int", marks=pytest.mark.slow),
     pytest.param("MobileNetV2", 4, (), id="mobilenetv2-int", marks=pytest.mark.slow),
     pytest.param("DenseNet121", 3, (), id="densenet121-int", marks=pytest.mark.slow),
