@@ -154,6 +154,8 @@ class _Graph:
                 if node.operation is not None and not node.is_input:
                     self.nodes.append(node)
         producer = {id(x): i for i, n in enumerate(self.nodes) for x in n.outputs}
+        self.tensors = {id(x): x for x in self.fn.inputs}  # tensor id -> the Keras tensor, for its shape
+        self.tensors.update((id(x), x) for node in self.nodes for x in node.outputs)
         self.producer = producer
         n = len(self.nodes)
         self.parents = [sorted({producer[id(x)] for x in node.input_tensors if id(x) in producer})
@@ -265,10 +267,7 @@ class _Graph:
 
     def tensor_bytes(self, tensor_id: int) -> int | None:
         """Bytes per example of a tensor of the graph (its shape after the batch axis); None where not known."""
-        if not hasattr(self, "_tensors"):
-            self._tensors = {id(x): x for x in self.fn.inputs}
-            self._tensors.update((id(x), x) for node in self.nodes for x in node.outputs)
-        x = self._tensors.get(tensor_id)
+        x = self.tensors.get(tensor_id)
         shape = list(getattr(x, "shape", None) or ())[1:]
         if x is None or any(d is None for d in shape):
             return None
