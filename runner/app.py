@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import hydra
@@ -11,6 +12,7 @@ from runner.config import schema
 from runner.config.checks import check_config
 from runner.job import guarded
 
+log = logging.getLogger("runner")
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
 schema.register()
 
@@ -50,6 +52,7 @@ def _run(cfg: DictConfig, out: Path, changes: dict, continuing: bool = False) ->
 
     set_inter_op_threads(cfg.train.inter_op_threads, cfg.engine._target_)  # before the runtime starts (the strategy starts it)
     strategy = distribute.make_strategy(cfg)  # before anything else runs TensorFlow
+    _reserve_cpu_limit()  # before anything else allocates
     from runner.platform.precision import keeping_dtype_policy
     from runner.run.build import build
     from runner.run.train import fit
@@ -63,6 +66,15 @@ def _run(cfg: DictConfig, out: Path, changes: dict, continuing: bool = False) ->
             value = fit(cfg, build(cfg, strategy), scratch, changes, restore_from=out / "checkpoints")
     distribute.remove_worker_folder(out)  # Hydra's log of this worker; kept when the run fails
     return value
+
+
+def _reserve_cpu_limit() -> None:
+    """On a device emulated on the CPU (an allocator limit), the limit as one region, as on a GPU."""
+    from sections import reserve_cpu_limit
+
+    said = reserve_cpu_limit()
+    if said:
+        log.info(said)
 
 
 def _resumed(cfg: DictConfig):

@@ -11,7 +11,7 @@ _EXPORTS = {
     "WeightPenalty": ".step.executor", "host_copy": ".step.executor", "write_back": ".step.executor",
     "VariablesDoNotFit": ".backend.device",
     "OutOfMemory": ".backend.device", "DeviceMemory": ".backend.device", "device_memory": ".backend.device",
-    "device_budget": ".backend.device",
+    "device_budget": ".backend.device", "reserve_cpu_limit": ".backend.device",
     "SectionedModel": ".keras_fit", "MicroBatched": ".step.accumulate",
     "lean_attention": ".backend.attention", "lean_attention_active": ".backend.lean",
     "WholeGraph": ".step.peers", "RecomputeGrad": ".step.peers",

@@ -9,6 +9,7 @@ TensorFlow loads). `python tests/device_worker.py CASE` prints one JSON line.
   peak beyond what was in use (the gradients included), and the largest variable's bytes.
 - `workspace`: kernels' work buffers as ``Workspaces`` measures them in a traced convolution gradient, against the
   same kernels run directly (and how many ops it ran to measure them).
+- `region`: the device's limit reserved as one region, then a tensor that fits only in one region.
 - `fit`: a Keras model under plain `fit` and wrapped in `SectionedModel(model, sections="auto")`, one epoch
   each; prints how each ended and the wrapped run's step peaks.
 """
@@ -274,7 +275,21 @@ def _conv_gradient_work(shape) -> dict:
             "peak": graph_memory(graph).peak, "peak_with_work": graph_memory(graph, work=work).peak}
 
 
+def region() -> dict:
+    """The limit reserved as one region, then tensors of 1, 3, 7 and 15 MiB (a growing allocator makes a region
+    for each), freed, then one of 40 MiB on a 64 MiB device: it fits only where the free memory is one region."""
+    said = sections.reserve_cpu_limit()
+    pieces = [tf.raw_ops.Empty(shape=[mib * 2**20], dtype=tf.uint8) for mib in (1, 3, 7, 15)]
+    del pieces
+    try:
+        big = tf.raw_ops.Empty(shape=[40 * 2**20], dtype=tf.uint8)
+        fits = int(big.shape[0]) == 40 * 2**20
+    except tf.errors.ResourceExhaustedError:
+        fits = False
+    return {"said": said, "fits": fits, "again": sections.reserve_cpu_limit()}
+
+
 if __name__ == "__main__":
-    cases = {"recover": recover, "fit": fit, "restore": restore, "lean_count": lean_count, "apply": apply,
+    cases = {"region": region, "recover": recover, "fit": fit, "restore": restore, "lean_count": lean_count, "apply": apply,
              "faithful": faithful, "workspace": workspace}
     print(json.dumps(cases[sys.argv[1]]()))

@@ -233,3 +233,26 @@ def test_the_least_memory_plan_measured_within_the_budget_runs_though_its_spread
     assert isinstance(decide(over, within, lambda: least), Refuse)
     ran_out = Search(budget, BASE, steps=[DryStep(least, budget, 0, True, 0)])
     assert isinstance(decide(ran_out, within, lambda: least), Refuse)
+
+
+def test_what_the_device_held_beside_the_model_moves_no_rung_only_a_plan_whose_own_count_no_longer_fits():
+    """Two processes of one command whose input pipelines held 8 MiB apart when planning (the notebook ResNet's
+    held one batch more in one process of three): the rung comes from the room without it, so both try the plan
+    whose count fits either room. Counted as part of the model's room (``resident`` not given), the 8 MiB moved the
+    room below a rung and the second process tried a slower plan."""
+    fast, mid, least = (Candidate("fast", 250 * MiB, 1.0), Candidate("mid", 150 * MiB, 2.0),
+                        Candidate("least", 70 * MiB, 3.0))
+    within, smallest = planner([fast, mid, least])
+    budget = int((285 * MiB + BASE) / (1 - MARGIN)) + 1  # 285 MiB of room with nothing held beside the model
+    assert rung(285 * MiB, least.modelled) > fast.modelled > rung(277 * MiB, least.modelled)
+
+    def first_try(resident, told=True):
+        base = BASE + resident
+        floor = DryStep(least, base + least.modelled, 0, False, base + least.modelled)
+        search = Search(budget, base, steps=[floor], resident=resident if told else 0)
+        return decide(search, within, smallest).candidate
+
+    assert first_try(0) == first_try(8 * MiB) == fast
+    assert first_try(8 * MiB, told=False) == mid  # the room's rung moved with what the pipeline held
+    # where the faster plan's own count is over the smaller room, that process steps down a rung
+    assert first_try(40 * MiB) == mid

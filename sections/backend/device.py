@@ -121,6 +121,36 @@ def device_budget(value=None, device: str | None = None) -> Budget:
     return resolve_budget(value, device_memory(device))
 
 
+# The CPU allocator grows (TensorFlow builds it with allow_growth): its first region is 2 MiB, made by the first
+# allocation of any size, here the reserving op's own shape.
+_FIRST_REGION = 2 * 2**20
+
+
+def reserve_cpu_limit() -> str | None:
+    """Take a CPU allocator limit (``TF_CPU_BFC_MEM_LIMIT_IN_MB``) as one region now and free it, so that steps
+    allocate from one region of the limit's size, as a GPU's allocator does (it reserves the device at start).
+    Without it the growing allocator keeps regions of doubling sizes, and a tensor cannot span two of them: a
+    request can fail with much more than its size free. Call it first, before anything else allocates. Returns a
+    line saying what was done; None where no CPU limit is in force (or a GPU takes the steps)."""
+    limit = cpu_limit()
+    if limit is None or limit <= _FIRST_REGION or tf.config.list_physical_devices("GPU"):
+        return None
+    held = int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    if held > _FIRST_REGION // 2:
+        return (f"the CPU allocator's limit {LIMIT}={limit // 2**20} was not reserved as one region: "
+                f"{rules.human_bytes(held)} was allocated before; steps allocate from regions of doubling sizes")
+    size = limit - _FIRST_REGION
+    try:
+        tf.raw_ops.Empty(shape=[size], dtype=tf.uint8)
+    except tf.errors.ResourceExhaustedError:
+        return (f"the CPU allocator's limit {LIMIT}={limit // 2**20} could not be reserved as one region "
+                f"({rules.human_bytes(size)} refused); steps allocate from regions of doubling sizes")
+    finally:
+        tf.config.experimental.reset_memory_stats("CPU:0")
+    return (f"the CPU allocator's limit {LIMIT}={limit // 2**20} reserved as one region of "
+            f"{rules.human_bytes(size)} (as a GPU's allocator reserves its memory)")
+
+
 def held_outside(meter) -> int:
     """Bytes this process holds outside TensorFlow's allocator (resident memory less what the allocator holds):
     on a CPU without an allocator limit they share the machine's memory with the steps."""

@@ -7,7 +7,8 @@ bytes beyond the base (variables, optimizer slots, the batch), and ``fit`` takes
 show near a plan's count. The least-memory plan's dry step comes
 first (a refusal rests on it); then the fastest plan the corrected count puts under the budget with a margin (after
 one ran out, at most halfway to the least-memory plan), chosen for a room on a ladder the counts alone fix
-(``rung``); a plan runs when its dry step, plus what its repeated runs differed by, is within the budget. At most
+(``rung``), reached without what the device held beside the model (an input pipeline's buffers, which differ by
+process) and stepped down only where the plan's own count is over the room; a plan runs when its dry step, plus what its repeated runs differed by, is within the budget. At most
 ``DRY_STEPS`` dry steps.
 """
 
@@ -136,6 +137,7 @@ class Search:
     blocks: list = field(default_factory=list)  # Points from measured blocks
     steps: list = field(default_factory=list)   # DryStep records
     max_steps: int = DRY_STEPS
+    resident: int = 0  # of ``base``, what the device held beside the model (an input pipeline's buffers): read
 
     def points(self) -> list[Point]:
         return [*self.blocks, *(Point(s.candidate.modelled, s.peak - self.base, s.ran_out) for s in self.steps)]
@@ -187,8 +189,12 @@ def rung(room: float, floor: int) -> int:
     it is below ``floor`` or ``floor`` is nothing."""
     if floor <= 0 or room < floor:
         return int(room)
-    k = math.floor(math.log(room / floor, RUNG) + 1e-9)
-    return int(floor * RUNG**k)
+    return int(floor * RUNG**_rungs(room, floor))
+
+
+def _rungs(room: float, floor: int) -> int:
+    """How many rungs above ``floor`` the room reaches (``room >= floor > 0``)."""
+    return math.floor(math.log(room / floor, RUNG) + 1e-9)
 
 
 def decide(search: Search, plan_within: Callable[[int], Candidate | None], least: Callable[[], Candidate],
@@ -220,17 +226,34 @@ def decide(search: Search, plan_within: Callable[[int], Candidate | None], least
     if len(search.steps) >= search.max_steps:
         return Run(best)
     room = search.fit().room(search.line(spread) - search.base)
+    steady = room + search.resident
     ran_out = [s.candidate.modelled for s in search.steps if s.ran_out]
     if ran_out:
         # A plan that ran out measured a lower bound only: the line through it need not rule out plans nearly as
         # large. The next one lies at most halfway from the least-memory plan to the smallest that ran out.
-        room = min(room, floor.modelled + (min(ran_out) - floor.modelled) // 2)
-    target = plan_within(rung(room, floor.modelled))
+        cap = floor.modelled + (min(ran_out) - floor.modelled) // 2
+        room, steady = min(room, cap), min(steady, cap)
+    target = _on_the_ladder(room, steady, floor.modelled, plan_within)
     if target is not None and not search.tried(target) and target.work < best.candidate.work:
         why = ("the fastest plan the measured correction puts within the budget" if not ran_out else
                "a plan at most halfway from the least-memory plan to the one that ran out")
         return Try(target, why)
     return Run(best)
+
+
+def _on_the_ladder(room: int, steady: int, floor: int, plan_within: Callable[[int], Candidate | None]):
+    """The fastest plan for the highest rung within ``steady`` (the room without what the device held beside the
+    model, which differs by process: the notebook ResNet's input pipeline held one batch more in one process of
+    three, and the rung it reached moved with it), stepping down while that plan's count is over ``room``. A process
+    with less room then runs a slower plan only where the faster plan's own count, not the rung, is what no
+    longer fits."""
+    if floor <= 0 or steady < floor:
+        return plan_within(room)
+    for reach in (int(floor * RUNG**k) for k in range(_rungs(steady, floor), -1, -1)):
+        target = plan_within(reach)
+        if target is not None and target.modelled <= room:
+            return target
+    return plan_within(room)
 
 
 def _least_step(search: Search, least: Callable[[], Candidate]) -> DryStep | None:

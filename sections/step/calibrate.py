@@ -131,7 +131,7 @@ class Calibrator:
         self.counted: dict = {}  # (s, t) -> those bytes, for every section a candidate plan ran
         self.budget, self.budget_source = budget, budget_source
         self.device_limit = device_limit
-        self.search = Search(budget, costs.base_bytes + resident)
+        self.search = Search(budget, costs.base_bytes + resident, resident=resident)
         self.replans: list[str] = []
         self.runs_again = 0  # steps that ran out with the bytes free and ran again on their plan (``replanning``)
         self.ran_again_last = False  # the last step that ran needed that second run
@@ -436,7 +436,7 @@ class Calibrator:
         self.log_replan(f"a step ran out of device memory ({err}); re-planning under "
                         f"{rules.human_bytes(self.budget)} and running the step again from the state before it")
         self.search = Search(self.budget, self.search.base, list(self.search.blocks), [],
-                             self.search.max_steps)
+                             self.search.max_steps, self.search.resident)
         self.calibrate(batch)
         if self.refusal is not None:
             refusal, self.refusal = self.refusal, None

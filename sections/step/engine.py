@@ -215,7 +215,7 @@ class Engine(Trainer):
         costs = PlanCosts.of(self.network, self.optimizer, self.borders, self.apply_reason is None)
         # What the device holds beside the model, its optimizer and the batch (an input pipeline's buffers, where
         # they share the device): every step's peak includes it, so the first plan does too.
-        resident = max(0, self.meter.current() - costs.base_bytes)
+        resident = max(0, self.meter.settled() - costs.base_bytes)
         crash = kernel_crash_warning() if self.device_memory.device.upper().startswith("CPU") else None
         if crash:
             log.warning(crash)

@@ -61,8 +61,9 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
     import tensorflow as tf
 
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    from sections import Engine, WholeGraph
+    from sections import Engine, WholeGraph, reserve_cpu_limit
 
+    reserve_cpu_limit()  # the emulated device as one region, as the runner does (before anything allocates)
     kind, args, batch_size, shape = ZOO[model]
     keras.utils.set_random_seed(0)
     try:
@@ -118,9 +119,9 @@ def worker(model: str, engine_kind: str, steps: int) -> dict:
 
 
 def image_model(model: str, batch_size: int | None = None, max_blocks: int | None = None):
-    """In a worker process: the project's allocator set-up and one inter-op thread (as the runner), then ``model``'s
-    network (seed 0; a keras.applications model cut into at most ``max_blocks`` blocks where given) and one
-    synthetic batch of its images (the zoo's batch, or ``batch_size``). Returns (network, batch)."""
+    """In a worker process: the project's allocator set-up, one inter-op thread and the limit as one region (as the
+    runner), then ``model``'s network (seed 0; a keras.applications model cut into at most ``max_blocks`` blocks
+    where given) and one synthetic batch of its images (the zoo's batch, or ``batch_size``). Returns (network, batch)."""
     sys.path.insert(0, str(ROOT))
     from sections.allocator import configure
 
@@ -129,6 +130,9 @@ def image_model(model: str, batch_size: int | None = None, max_blocks: int | Non
     import tensorflow as tf
 
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    from sections import reserve_cpu_limit
+
+    reserve_cpu_limit()
     kind, args, zoo_batch, shape = ZOO[model]
     batch_size = batch_size or zoo_batch
     keras.utils.set_random_seed(0)
@@ -187,7 +191,8 @@ def batch_max_overrides(model: str, engine: str, folder: Path) -> list[str]:
     """The runner's overrides for ``batch=max`` of a zoo image model with ``engine`` (``whole`` or ``auto``)."""
     chosen = ["engine=whole"] if engine == "whole" else ["sections=auto"]
     return [*runner_args(model), *chosen, "batch=max", "train.steps=2", "train.eval_every=0",
-            "train.verify_exact=false", "train.save_model=false", "train.progress=log", f"hydra.run.dir={folder}"]
+            "train.verify_exact=false", "train.save_model=false", "train.progress=log",
+            "train.plan_cache=null", f"hydra.run.dir={folder}"]  # plan_cache=null: every search afresh
 
 
 def batch_max(model: str, engine: str, limit_mib: int, folder: Path) -> dict:
