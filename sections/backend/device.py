@@ -124,6 +124,7 @@ def device_budget(value=None, device: str | None = None) -> Budget:
 # The CPU allocator grows (TensorFlow builds it with allow_growth): its first region is 2 MiB, made by the first
 # allocation of any size, here the reserving op's own shape.
 _FIRST_REGION = 2 * 2**20
+_reserved: list = []  # the limit this process reserved (an allocator keeps its regions for the process's life)
 
 
 def reserve_cpu_limit() -> str | None:
@@ -135,6 +136,8 @@ def reserve_cpu_limit() -> str | None:
     limit = cpu_limit()
     if limit is None or limit <= _FIRST_REGION or tf.config.list_physical_devices("GPU"):
         return None
+    if _reserved:  # a later job of a sweep in one process: the region is still the allocator's
+        return f"the CPU allocator's limit {LIMIT}={limit // 2**20} is one region (reserved earlier in this process)"
     held = int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
     if held > _FIRST_REGION // 2:
         return (f"the CPU allocator's limit {LIMIT}={limit // 2**20} was not reserved as one region: "
@@ -147,6 +150,7 @@ def reserve_cpu_limit() -> str | None:
                 f"({rules.human_bytes(size)} refused); steps allocate from regions of doubling sizes")
     finally:
         tf.config.experimental.reset_memory_stats("CPU:0")
+    _reserved.append(limit)
     return (f"the CPU allocator's limit {LIMIT}={limit // 2**20} reserved as one region of "
             f"{rules.human_bytes(size)} (as a GPU's allocator reserves its memory)")
 

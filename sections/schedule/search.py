@@ -8,8 +8,8 @@ show near a plan's count. The least-memory plan's dry step comes
 first (a refusal rests on it); then the fastest plan the corrected count puts under the budget with a margin (after
 one ran out, at most halfway to the least-memory plan), chosen for a room on a ladder the counts alone fix
 (``rung``), reached without what the device held beside the model (an input pipeline's buffers, which differ by
-process) and stepped down only where the plan's own count is over the room; a plan runs when its dry step, plus what its repeated runs differed by, is within the budget. At most
-``DRY_STEPS`` dry steps.
+process) and stepped down only where the plan's own count is over the room; a plan runs when its dry step, plus
+what its repeated runs differed by, is within the budget. At most ``DRY_STEPS`` dry steps.
 """
 
 from __future__ import annotations
